@@ -1,0 +1,96 @@
+"""The simulation config: plain frozen dataclasses mirroring the YAML sections.
+
+Knob names follow vLLM's flags so that exported configs are obvious. Loading and validation live in
+``servetune.config_loader``; everything downstream receives an already-valid ``Config``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass(frozen=True)
+class HardwareConfig:
+    gpu: str = "a100-80gb"
+    tp: int = 1
+    gpu_memory_utilization: float = 0.92   # fraction of GPU memory the engine may use (vLLM's flag)
+
+
+@dataclass(frozen=True)
+class CostModelConfig:
+    kind: str = "linear"             # linear | roofline | calibrated
+    profile: Optional[str] = None    # calibrated: path of a fitted profile JSON
+    base_s: float = 0.010
+    per_token_s: float = 0.00003
+    per_context_token_s: float = 0.0000002
+
+
+@dataclass(frozen=True)
+class ArrivalsConfig:
+    kind: str = "poisson"            # poisson | trace
+    rate: Optional[float] = 4.0      # poisson: requests per second
+    path: Optional[str] = None       # trace: file path, relative to the config file's folder
+    format: Optional[str] = None     # trace: processed | azure
+    rate_scale: float = 1.0          # trace: 2.0 doubles the arrival rate
+
+
+@dataclass(frozen=True)
+class LengthsConfig:
+    kind: str = "fixed"              # fixed | uniform | trace
+    prompt_tokens: Any = 512         # fixed: int; uniform: [low, high] inclusive
+    output_tokens: Any = 128
+
+
+@dataclass(frozen=True)
+class WorkloadConfig:
+    arrivals: ArrivalsConfig = field(default_factory=ArrivalsConfig)
+    lengths: Optional[LengthsConfig] = field(default_factory=LengthsConfig)
+    num_requests: Optional[int] = 2000
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    policy: str = "continuous"       # continuous | static
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    block_size: int = 16
+    num_kv_blocks: Optional[int] = 8192
+    watermark: float = 0.0
+    max_num_queued_reqs: Optional[int] = None
+    batch_size: int = 32             # static only
+    max_wait_s: float = 1.0          # static only
+
+
+@dataclass(frozen=True)
+class SloConfig:
+    ttft_ms: Optional[float] = None
+    itl_ms: Optional[float] = None
+    tpot_ms: Optional[float] = None
+    e2el_ms: Optional[float] = None
+    attainment_target: float = 0.9
+
+
+@dataclass(frozen=True)
+class SimulationConfig:
+    horizon_s: Optional[float] = None  # stop the clock here; requests still in flight are unfinished
+
+
+@dataclass(frozen=True)
+class Config:
+    model: str = "llama-2-7b"
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    cost_model: CostModelConfig = field(default_factory=CostModelConfig)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    slo: SloConfig = field(default_factory=SloConfig)
+    simulation: SimulationConfig = field(default_factory=SimulationConfig)
+    source: Optional[str] = field(default=None, compare=False)  # file the config came from, for messages
+
+    def to_dict(self) -> dict:
+        data = dataclasses.asdict(self)
+        data.pop("source")
+        return data
