@@ -1,0 +1,492 @@
+"""Load a YAML config into a validated ``Config``, or fail with one line that says what to fix.
+
+Validation is driven by the dataclasses in ``servetune.config``: their fields are the keys allowed (an
+unknown key is an error, with a "did you mean" suggestion), their type hints the types, their defaults fill
+omitted keys. On top of the types, ``FIELD_RANGES`` and ``FIELD_CHOICES`` bound single fields, and the
+per-kind rules (``ARRIVAL_RULES``, ``LENGTH_RULES``) and ``_check_cross_field`` relate fields to each other.
+A new arrival or length kind is one entry in its rule table.
+
+Every message reads ``<source>: <dotted.key>: got <value>, expected <what>``, plus the ``--set`` override
+responsible when there is one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import re
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence, Union
+
+import yaml
+
+from servetune.config import Config, LengthsConfig, WorkloadConfig
+from servetune.envs.traces import TRACE_PARSERS
+from servetune.envs.workload import MAX_TOKEN_COUNT
+from servetune.errors import ConfigError
+
+# `Config.source` records where a config came from; it is not something a user writes.
+_INTERNAL_FIELDS = {"source"}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Per-field rules beyond the type.
+
+@dataclass(frozen=True)
+class Range:
+    low: Optional[float] = None
+    high: Optional[float] = None
+    low_open: bool = False    # low itself excluded
+    high_open: bool = False   # high itself excluded
+
+    def contains(self, value: float) -> bool:
+        above = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return above and below
+
+    def describe(self) -> str:
+        if self.high is None:
+            return f"{'>' if self.low_open else '≥'} {self.low}"
+        if self.low is None:
+            return f"{'<' if self.high_open else '≤'} {self.high}"
+        return f"in {'(' if self.low_open else '['}{self.low}, {self.high}{')' if self.high_open else ']'}"
+
+
+AT_LEAST_ONE = Range(low=1)
+NON_NEGATIVE = Range(low=0)
+POSITIVE = Range(low=0, low_open=True)
+
+FIELD_RANGES: dict[str, Range] = {
+    "hardware.tp": AT_LEAST_ONE,
+    "hardware.gpu_memory_utilization": Range(low=0, high=1, low_open=True),
+    "cost_model.base_s": NON_NEGATIVE,
+    "cost_model.per_token_s": NON_NEGATIVE,
+    "cost_model.per_context_token_s": NON_NEGATIVE,
+    "workload.arrivals.rate": POSITIVE,
+    "workload.arrivals.rate_scale": POSITIVE,
+    "workload.num_requests": AT_LEAST_ONE,
+    "workload.seed": NON_NEGATIVE,   # numpy's default_rng takes no negative seeds
+    "scheduler.max_num_seqs": AT_LEAST_ONE,
+    "scheduler.max_num_batched_tokens": AT_LEAST_ONE,
+    "scheduler.long_prefill_token_threshold": NON_NEGATIVE,
+    "scheduler.block_size": AT_LEAST_ONE,
+    "scheduler.num_kv_blocks": AT_LEAST_ONE,
+    "scheduler.watermark": Range(low=0, high=1, high_open=True),
+    "scheduler.max_num_queued_reqs": NON_NEGATIVE,
+    "scheduler.batch_size": AT_LEAST_ONE,
+    "scheduler.max_wait_s": NON_NEGATIVE,
+    "slo.ttft_ms": POSITIVE,
+    "slo.itl_ms": POSITIVE,
+    "slo.tpot_ms": POSITIVE,
+    "slo.e2el_ms": POSITIVE,
+    "slo.attainment_target": Range(low=0, high=1, low_open=True),
+    "simulation.horizon_s": POSITIVE,
+}
+
+FIELD_CHOICES: dict[str, tuple[str, ...]] = {
+    "cost_model.kind": ("linear", "roofline", "calibrated"),
+    "workload.arrivals.kind": ("poisson", "trace"),
+    "workload.arrivals.format": tuple(TRACE_PARSERS),
+    "workload.lengths.kind": ("fixed", "uniform", "trace"),
+    "scheduler.policy": ("continuous", "static"),
+}
+
+_TOKEN_COUNT_RANGE = Range(low=1, high=MAX_TOKEN_COUNT)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# YAML reading.
+
+class _ConfigYamlLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, with YAML 1.2 floats (so ``3e-5`` is a number) and duplicate keys refused."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            if isinstance(key, typing.Hashable):
+                seen.add(key)
+        # An unhashable key (a list) is refused here by PyYAML itself, with its position.
+        return super().construct_mapping(node, deep=deep)
+
+
+# YAML 1.1, which PyYAML follows, reads `3e-5` (no dot) as a string; cost coefficients are written that way.
+_ConfigYamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+            |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+            |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+            |[-+]?\.(?:inf|Inf|INF)
+            |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
+def _parse_yaml(text: str, source: str) -> Any:
+    try:
+        return yaml.load(text, Loader=_ConfigYamlLoader)
+    except yaml.MarkedYAMLError as error:
+        mark = error.problem_mark or error.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        raise ConfigError(f"{source}: {where}invalid YAML ({error.problem or error.context})") from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{source}: invalid YAML ({error})") from None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Messages.
+
+_SHOWN_CHARS = 60   # of a value in a message, so that a runaway value still gives a readable line
+
+
+def _show(value: Any) -> str:
+    """A value as the user wrote it in YAML (null, true, 3.5, 'text', [1, 4]), cut short when long."""
+    text = _as_yaml(value)
+    return text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS] + "..."
+
+
+def _as_yaml(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return repr(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return ".nan" if math.isnan(value) else ("-.inf" if value < 0 else ".inf")
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_as_yaml(item) for item in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{key}: {_as_yaml(item)}" for key, item in value.items()) + "}"
+    return str(value)
+
+
+def _unknown_key(key: str, known: Sequence[str], parent: str) -> tuple[str, str]:
+    """(the full dotted key, what is wrong with it, with a suggestion when one is close)."""
+    full = f"{parent}.{key}" if parent else key
+    close = difflib.get_close_matches(key, known, n=1)
+    if close:
+        suggestion = f"{parent}.{close[0]}" if parent else close[0]
+        return full, f"unknown key; did you mean {suggestion}?"
+    return full, f"unknown key; expected one of {', '.join(known)}"
+
+
+class _Reporter:
+    """Builds errors that name the source and, when a ``--set`` is responsible, that override."""
+
+    def __init__(self, source: str, overrides: Sequence[str] = ()) -> None:
+        self.source = source
+        self.overrides = {_split_override(item)[0]: item for item in overrides}
+
+    def override_of(self, key: str) -> Optional[str]:
+        """The last ``--set`` that wrote ``key`` or a section holding it, if any."""
+        culprits = [item for path, item in self.overrides.items() if key == path or key.startswith(path + ".")]
+        return culprits[-1] if culprits else None
+
+    def error(self, key: str, problem: str) -> ConfigError:
+        culprit = self.override_of(key)
+        blame = f" (from --set {culprit})" if culprit else ""
+        return ConfigError(f"{self.source}: {key}: {problem}{blame}")
+
+    def bad_value(self, key: str, value: Any, expected: str) -> ConfigError:
+        return self.error(key, f"got {_show(value)}, expected {expected}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Building the dataclasses from plain data, checking types, ranges and choices.
+
+def _user_fields(cls: type) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls) if f.name not in _INTERNAL_FIELDS}
+
+
+def _unwrap_optional(hint: Any) -> tuple[Any, bool]:
+    """(the type inside Optional[...], whether None is allowed)."""
+    if typing.get_origin(hint) is Union:
+        inner = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+        return inner[0], len(inner) < len(typing.get_args(hint))
+    return hint, False
+
+
+def _default(field: dataclasses.Field) -> Any:
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return field.default
+
+
+_TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a finite number", str: "a non-empty string"}
+
+
+def _is_finite(number: Union[int, float]) -> bool:
+    try:
+        return math.isfinite(number)
+    except OverflowError:   # an int beyond float's range
+        return False
+
+
+def _has_type(value: Any, hint: Any) -> bool:
+    if hint is bool:
+        return isinstance(value, bool)
+    # bool is a subclass of int in Python, but `true` is no count and no number.
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and _is_finite(value)
+    if hint is str:
+        return isinstance(value, str) and bool(value.strip())
+    raise TypeError(f"the config loader cannot check values of type {hint}; teach _has_type about it")
+
+
+def _expectation(hint: Any, key: str, nullable: bool) -> str:
+    if key in FIELD_CHOICES:
+        text = "one of " + ", ".join(FIELD_CHOICES[key])
+    else:
+        text = _TYPE_NAMES[hint] + (f" {FIELD_RANGES[key].describe()}" if key in FIELD_RANGES else "")
+    return text + (" or null" if nullable else "")
+
+
+def _check_value(value: Any, hint: Any, key: str, nullable: bool, report: _Reporter) -> Any:
+    """The value converted to the field's type (ints widen to floats), or a ConfigError."""
+    if value is None and nullable:
+        return None
+    bounds, choices = FIELD_RANGES.get(key), FIELD_CHOICES.get(key)
+    if not _has_type(value, hint) or (bounds and not bounds.contains(value)) or (choices and value not in choices):
+        raise report.bad_value(key, value, _expectation(hint, key, nullable))
+    return float(value) if hint is float else value
+
+
+def _build_section(cls: type, data: Any, parent: str, report: _Reporter) -> Any:
+    fields = _user_fields(cls)
+    if not isinstance(data, dict):
+        where = parent or "the config"
+        raise report.error(where, f"got {_show(data)}, expected a mapping with keys {', '.join(fields)}")
+    for key in data:
+        if key not in fields:
+            raise report.error(*_unknown_key(str(key), list(fields), parent))
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for name, field in fields.items():
+        key = f"{parent}.{name}" if parent else name
+        if name not in data:
+            values[name] = _default(field)
+            continue
+        hint, nullable = _unwrap_optional(hints[name])
+        value = data[name]
+        if dataclasses.is_dataclass(hint) and not (value is None and nullable):
+            values[name] = _build_section(hint, value, key, report)
+        elif hint is Any:
+            values[name] = value   # kind-dependent; the kind's rules check it
+        else:
+            values[name] = _check_value(value, hint, key, nullable, report)
+    return cls(**values)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Rules that relate fields: per arrival kind, per length kind, and across sections.
+
+def _check_poisson_arrivals(workload: WorkloadConfig, report: _Reporter, base_dir: Path) -> WorkloadConfig:
+    if workload.arrivals.rate is None:
+        raise report.bad_value("workload.arrivals.rate", None, "a number > 0 for poisson arrivals")
+    if workload.num_requests is None:
+        raise report.bad_value("workload.num_requests", None, "an integer ≥ 1 for poisson arrivals")
+    return workload
+
+
+def _check_trace_arrivals(workload: WorkloadConfig, report: _Reporter, base_dir: Path) -> WorkloadConfig:
+    arrivals = workload.arrivals
+    if arrivals.path is None:
+        raise report.bad_value("workload.arrivals.path", None, "the path of a trace file for trace arrivals")
+    if arrivals.format is None:
+        raise report.bad_value(
+            "workload.arrivals.format", None, f"one of {', '.join(TRACE_PARSERS)} for trace arrivals"
+        )
+    # A path typed on the command line is meant from where the user stands, not from the config's folder.
+    if report.override_of("workload.arrivals.path"):
+        base_dir = Path.cwd()
+    resolved = (base_dir / arrivals.path).resolve()
+    if not resolved.is_file():
+        raise report.bad_value("workload.arrivals.path", arrivals.path, f"an existing trace file (no file {resolved})")
+    return dataclasses.replace(workload, arrivals=dataclasses.replace(arrivals, path=str(resolved)))
+
+
+ARRIVAL_RULES: dict[str, Callable[[WorkloadConfig, _Reporter, Path], WorkloadConfig]] = {
+    "poisson": _check_poisson_arrivals,
+    "trace": _check_trace_arrivals,
+}
+
+
+def _is_token_count(value: Any) -> bool:
+    return _has_type(value, int) and _TOKEN_COUNT_RANGE.contains(value)
+
+
+def _check_fixed_lengths(lengths: LengthsConfig, arrivals_kind: str, report: _Reporter) -> LengthsConfig:
+    for name in ("prompt_tokens", "output_tokens"):
+        value = getattr(lengths, name)
+        if not _is_token_count(value):
+            raise report.bad_value(
+                f"workload.lengths.{name}", value, f"an integer {_TOKEN_COUNT_RANGE.describe()} for fixed lengths"
+            )
+    return lengths
+
+
+def _check_uniform_lengths(lengths: LengthsConfig, arrivals_kind: str, report: _Reporter) -> LengthsConfig:
+    expected = f"[low, high] for uniform lengths: integers {_TOKEN_COUNT_RANGE.describe()} with low ≤ high"
+    ranges = {}
+    for name in ("prompt_tokens", "output_tokens"):
+        value = getattr(lengths, name)
+        is_range = isinstance(value, (list, tuple)) and len(value) == 2 and all(map(_is_token_count, value))
+        if not (is_range and value[0] <= value[1]):
+            raise report.bad_value(f"workload.lengths.{name}", value, expected)
+        ranges[name] = tuple(value)   # a tuple: the config is frozen, and hashable
+    return dataclasses.replace(lengths, **ranges)
+
+
+def _check_trace_lengths(lengths: LengthsConfig, arrivals_kind: str, report: _Reporter) -> LengthsConfig:
+    if arrivals_kind != "trace":
+        raise report.bad_value(
+            "workload.lengths.kind", "trace", f"fixed or uniform with {arrivals_kind} arrivals "
+            "(trace lengths need trace arrivals)"
+        )
+    return lengths
+
+
+LENGTH_RULES: dict[str, Callable[[LengthsConfig, str, _Reporter], LengthsConfig]] = {
+    "fixed": _check_fixed_lengths,
+    "uniform": _check_uniform_lengths,
+    "trace": _check_trace_lengths,
+}
+
+
+def _check_workload(workload: WorkloadConfig, report: _Reporter, base_dir: Path) -> WorkloadConfig:
+    workload = ARRIVAL_RULES[workload.arrivals.kind](workload, report, base_dir)
+    if workload.lengths is None:
+        # `lengths: null` is the same as leaving it out, which only trace arrivals allow.
+        if workload.arrivals.kind != "trace":
+            raise report.bad_value(
+                "workload.lengths", None, f"a mapping with kind fixed or uniform for {workload.arrivals.kind} arrivals"
+            )
+        return dataclasses.replace(workload, lengths=LengthsConfig(kind="trace"))
+    lengths = LENGTH_RULES[workload.lengths.kind](workload.lengths, workload.arrivals.kind, report)
+    return dataclasses.replace(workload, lengths=lengths)
+
+
+def _check_cross_field(config: Config, report: _Reporter, base_dir: Path) -> Config:
+    scheduler = config.scheduler
+    if scheduler.long_prefill_token_threshold > 0 and not scheduler.enable_chunked_prefill:
+        raise report.bad_value(
+            "scheduler.long_prefill_token_threshold", scheduler.long_prefill_token_threshold,
+            "0 when enable_chunked_prefill is false (the threshold caps prefill chunks)",
+        )
+    if config.cost_model.kind == "calibrated" and config.cost_model.profile is None:
+        raise report.bad_value("cost_model.profile", None, "a fitted profile for the calibrated cost model")
+    return dataclasses.replace(config, workload=_check_workload(config.workload, report, base_dir))
+
+
+def _trace_defaults(data: dict) -> dict:
+    """Defaults that depend on the arrival kind: a trace brings its own lengths and is replayed whole."""
+    workload = data.get("workload")
+    arrivals = workload.get("arrivals") if isinstance(workload, dict) else None
+    if not (isinstance(arrivals, dict) and arrivals.get("kind") == "trace"):
+        return data
+    return {**data, "workload": {"lengths": {"kind": "trace"}, "num_requests": None, **workload}}
+
+
+def _build_config(data: Any, source: str, base_dir: Path, report: _Reporter) -> Config:
+    if isinstance(data, dict):
+        data = _trace_defaults(data)
+    config = _check_cross_field(_build_section(Config, data, "", report), report, base_dir)
+    return dataclasses.replace(config, source=source)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Overrides.
+
+def _split_override(item: str) -> tuple[str, str]:
+    key, equals, value = item.partition("=")
+    if not equals or not key.strip():
+        raise ConfigError(f"--set {item}: expected KEY=VALUE, such as scheduler.max_num_seqs=128")
+    return key.strip(), value
+
+
+def _check_override_key(key: str, item: str) -> None:
+    """Refuse a key the schema does not have, before any value is looked at."""
+    cls: Any = Config
+    parts = key.split(".")
+    for depth, part in enumerate(parts):
+        parent = ".".join(parts[:depth])
+        if cls is None:
+            raise ConfigError(f"--set {item}: {parent} is a value, not a section: it has no key {part}")
+        fields = _user_fields(cls)
+        if part not in fields:
+            full, problem = _unknown_key(part, list(fields), parent)
+            raise ConfigError(f"--set {item}: {full}: {problem}")
+        hint, _ = _unwrap_optional(typing.get_type_hints(cls)[part])
+        cls = hint if dataclasses.is_dataclass(hint) else None
+
+
+def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
+    """A copy of ``data`` with each ``a.b=v`` override set; v is read as YAML (null, true, 8, 0.5, [1, 4])."""
+    result = _deep_copy(data)
+    for item in overrides:
+        key, text = _split_override(item)
+        _check_override_key(key, item)
+        value = _parse_yaml(text, f"--set {item}")
+        *sections, leaf = key.split(".")
+        target = result
+        for section in sections:
+            if not isinstance(target.get(section), dict):
+                # A section left out or set to null becomes a mapping; any other value cannot take a key.
+                if target.get(section) is not None:
+                    raise ConfigError(
+                        f"--set {item}: {section} is {_show(target[section])} in the config, expected a mapping"
+                    )
+                target[section] = {}
+            target = target[section]
+        target[leaf] = value
+    return result
+
+
+def _deep_copy(data: Any) -> Any:
+    if isinstance(data, dict):
+        return {key: _deep_copy(value) for key, value in data.items()}
+    if isinstance(data, list):
+        return [_deep_copy(value) for value in data]
+    return data
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Entry points.
+
+def config_from_dict(data: dict, source: str = "<dict>", base_dir: Union[str, Path, None] = None) -> Config:
+    """Validate plain data (as parsed from YAML) into a Config. Relative trace paths resolve against
+    ``base_dir`` (the current folder when None)."""
+    return _build_config(data, source, Path(base_dir) if base_dir is not None else Path.cwd(), _Reporter(source))
+
+
+def load_config(path: Union[str, Path], overrides: Sequence[str] = ()) -> Config:
+    """Read, override and validate a YAML config file; raises ``ConfigError`` with a one-line message."""
+    path = Path(path)
+    source = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{source}: no such config file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{source}: is a folder, expected a YAML config file") from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{source}: byte {error.start}: not UTF-8 text, expected a YAML config file") from None
+    except OSError as error:
+        raise ConfigError(f"{source}: cannot read the config file ({error.strerror})") from None
+    data = _parse_yaml(text, source)
+    if data is None:
+        raise ConfigError(f"{source}: the config file is empty, expected a mapping of sections such as scheduler")
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: got {_show(data)}, expected a mapping of sections such as scheduler")
+    data = apply_overrides(data, overrides)
+    return _build_config(data, source, path.parent, _Reporter(source, overrides))

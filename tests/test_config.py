@@ -1,0 +1,361 @@
+"""Config loading: the examples, defaults, --set overrides, and one clear line for every kind of bad input."""
+from __future__ import annotations
+
+import pytest
+
+from servetune.config import (
+    ArrivalsConfig,
+    Config,
+    CostModelConfig,
+    HardwareConfig,
+    LengthsConfig,
+    SchedulerConfig,
+    SloConfig,
+    WorkloadConfig,
+)
+from servetune.config_loader import apply_overrides, config_from_dict, load_config
+from servetune.errors import ConfigError, UserError
+from servetune.paths import REPO_ROOT
+
+EXAMPLES = REPO_ROOT / "examples"
+FIXTURES = REPO_ROOT / "tests" / "fixtures"
+
+
+def config_error(data: dict, **kwargs) -> str:
+    """The message config_from_dict raises for ``data`` (source "c.yaml"), checked to be one line."""
+    with pytest.raises(ConfigError) as raised:
+        config_from_dict(data, source="c.yaml", **kwargs)
+    message = str(raised.value)
+    assert "\n" not in message
+    return message
+
+
+def test_chat_example_is_the_issue_config():
+    expected = Config(
+        model="llama-2-7b",
+        hardware=HardwareConfig(gpu="a100-80gb", tp=1),
+        cost_model=CostModelConfig(kind="linear", base_s=0.010, per_token_s=0.00003, per_context_token_s=0.0000002),
+        workload=WorkloadConfig(
+            arrivals=ArrivalsConfig(kind="poisson", rate=4.0),
+            lengths=LengthsConfig(kind="fixed", prompt_tokens=512, output_tokens=128),
+            num_requests=2000,
+            seed=0,
+        ),
+        scheduler=SchedulerConfig(
+            policy="continuous", max_num_seqs=64, max_num_batched_tokens=2048, enable_chunked_prefill=True,
+            long_prefill_token_threshold=0, block_size=16, num_kv_blocks=8192, watermark=0.0, max_num_queued_reqs=None,
+        ),
+        slo=SloConfig(ttft_ms=800.0, itl_ms=60.0, attainment_target=0.9),
+    )
+    config = load_config(EXAMPLES / "chat.yaml")
+    assert config == expected
+    assert config.source == str(EXAMPLES / "chat.yaml")
+    assert isinstance(config.slo.ttft_ms, float)   # written as the integer 800
+
+
+def test_static_example_is_chat_with_static_batching():
+    chat, static = load_config(EXAMPLES / "chat.yaml"), load_config(EXAMPLES / "static.yaml")
+    assert (static.scheduler.policy, static.scheduler.batch_size, static.scheduler.max_wait_s) == ("static", 32, 0.5)
+    assert static.workload == chat.workload and static.cost_model == chat.cost_model and static.slo == chat.slo
+
+
+def test_azure_example_replays_the_shipped_trace_whole_with_its_own_lengths():
+    config = load_config(EXAMPLES / "azure_conv.yaml")
+    arrivals = config.workload.arrivals
+    assert (arrivals.kind, arrivals.format, arrivals.rate_scale) == ("trace", "azure", 0.7)
+    assert arrivals.path == str(EXAMPLES / "traces" / "AzureLLMInferenceTrace_conv.csv")   # resolved, absolute
+    assert config.workload.num_requests is None
+    assert config.workload.lengths.kind == "trace"
+    assert config.cost_model == load_config(EXAMPLES / "chat.yaml").cost_model
+    scheduler = config.scheduler
+    assert (scheduler.policy, scheduler.max_num_seqs, scheduler.max_num_batched_tokens) == ("continuous", 256, 2048)
+    assert (scheduler.enable_chunked_prefill, scheduler.num_kv_blocks) == (True, 8192)
+    assert (config.slo.ttft_ms, config.slo.itl_ms) == (800.0, 60.0)
+
+
+def test_omitted_keys_take_the_dataclass_defaults():
+    assert config_from_dict({}) == Config()
+    config = config_from_dict({"scheduler": {"max_num_seqs": 8}, "hardware": {"tp": 2}})
+    assert config.scheduler == SchedulerConfig(max_num_seqs=8)
+    assert config.hardware == HardwareConfig(tp=2)
+    assert config.workload == WorkloadConfig()
+
+
+def test_trace_arrivals_default_to_every_row_and_the_trace_lengths():
+    config = config_from_dict(
+        {"workload": {"arrivals": {"kind": "trace", "path": "tiny_processed.csv", "format": "processed"}}},
+        base_dir=FIXTURES,
+    )
+    assert config.workload.arrivals.path == str(FIXTURES / "tiny_processed.csv")
+    assert config.workload.num_requests is None
+    assert config.workload.lengths == LengthsConfig(kind="trace")
+    explicit_null = config_from_dict(
+        {"workload": {"arrivals": {"kind": "trace", "path": "tiny_processed.csv", "format": "processed"},
+                      "lengths": None}},
+        base_dir=FIXTURES,
+    )
+    assert explicit_null.workload.lengths == LengthsConfig(kind="trace")
+
+
+def test_fixed_lengths_may_override_a_traces_token_counts():
+    config = config_from_dict(
+        {"workload": {"arrivals": {"kind": "trace", "path": "tiny_azure.csv", "format": "azure"},
+                      "lengths": {"kind": "fixed", "prompt_tokens": 100, "output_tokens": 10}, "num_requests": 3}},
+        base_dir=FIXTURES,
+    )
+    assert config.workload.lengths == LengthsConfig(kind="fixed", prompt_tokens=100, output_tokens=10)
+    assert config.workload.num_requests == 3
+
+
+def test_uniform_ranges_become_tuples():
+    config = config_from_dict({"workload": {"lengths": {"kind": "uniform", "prompt_tokens": [1, 4],
+                                                        "output_tokens": [7, 7]}}})
+    assert config.workload.lengths.prompt_tokens == (1, 4)
+    assert config.workload.lengths.output_tokens == (7, 7)
+    hash(config)   # frozen all the way down
+
+
+def test_exponent_floats_without_a_dot_are_numbers(tmp_path):
+    # PyYAML alone reads `3e-5` as the string '3e-5' (YAML 1.1).
+    path = tmp_path / "c.yaml"
+    path.write_text("cost_model: {per_token_s: 3e-5, per_context_token_s: 2E-7, base_s: 1e-2}\n")
+    cost = load_config(path).cost_model
+    assert (cost.per_token_s, cost.per_context_token_s, cost.base_s) == (3e-5, 2e-7, 1e-2)
+
+
+# --- overrides ---------------------------------------------------------------------------------------------
+
+def test_overrides_set_nested_fields_null_booleans_and_lists():
+    config = load_config(
+        EXAMPLES / "chat.yaml",
+        [
+            "scheduler.max_num_seqs=128",
+            "scheduler.num_kv_blocks=null",
+            "scheduler.enable_chunked_prefill=false",
+            "workload.arrivals.rate=0.5",
+            "workload.lengths.kind=uniform",
+            "workload.lengths.prompt_tokens=[1, 4]",
+            "workload.lengths.output_tokens=[2, 8]",
+            "slo.tpot_ms=50",
+            "simulation.horizon_s=600",
+            "model=llama-2-13b",
+        ],
+    )
+    assert config.scheduler.max_num_seqs == 128
+    assert config.scheduler.num_kv_blocks is None
+    assert config.scheduler.enable_chunked_prefill is False
+    assert config.workload.arrivals.rate == 0.5
+    assert config.workload.lengths == LengthsConfig(kind="uniform", prompt_tokens=(1, 4), output_tokens=(2, 8))
+    assert config.slo.tpot_ms == 50.0 and config.simulation.horizon_s == 600.0
+    assert config.model == "llama-2-13b"
+    assert config.scheduler.block_size == 16   # untouched fields stay as the file has them
+
+
+def test_apply_overrides_copies_creates_missing_sections_and_later_overrides_win():
+    data = {"scheduler": {"max_num_seqs": 64}, "workload": {"lengths": None}}
+    result = apply_overrides(data, ["slo.ttft_ms=300", "workload.lengths.kind=fixed", "slo.ttft_ms=400"])
+    assert result == {"scheduler": {"max_num_seqs": 64}, "workload": {"lengths": {"kind": "fixed"}},
+                      "slo": {"ttft_ms": 400}}
+    assert data == {"scheduler": {"max_num_seqs": 64}, "workload": {"lengths": None}}   # input untouched
+
+
+def test_an_overridden_trace_path_is_relative_to_the_current_folder(monkeypatch):
+    monkeypatch.chdir(FIXTURES)
+    config = load_config(EXAMPLES / "azure_conv.yaml", ["workload.arrivals.path=tiny_azure.csv"])
+    assert config.workload.arrivals.path == str(FIXTURES / "tiny_azure.csv")
+
+
+@pytest.mark.parametrize(
+    "override,fragments",
+    [
+        ("scheduler.max_num_seq=3", ["--set scheduler.max_num_seq=3", "scheduler.max_num_seq: unknown key",
+                                     "did you mean scheduler.max_num_seqs?"]),
+        ("schedular.max_num_seqs=3", ["schedular: unknown key", "did you mean scheduler?"]),
+        ("scheduler.max_num_seqs.limit=3", ["scheduler.max_num_seqs is a value, not a section", "limit"]),
+        ("source=x.yaml", ["source: unknown key"]),
+        ("scheduler.max_num_seqs", ["expected KEY=VALUE"]),
+        ("=3", ["expected KEY=VALUE"]),
+        ("workload.lengths.prompt_tokens=[1, 4", ["--set workload.lengths.prompt_tokens=[1, 4", "invalid YAML"]),
+    ],
+)
+def test_bad_overrides_are_named(override, fragments):
+    with pytest.raises(ConfigError) as raised:
+        load_config(EXAMPLES / "chat.yaml", [override])
+    message = str(raised.value)
+    assert "\n" not in message
+    for fragment in fragments:
+        assert fragment in message
+
+
+def test_an_invalid_value_from_an_override_names_the_file_field_and_override():
+    with pytest.raises(ConfigError) as raised:
+        load_config(EXAMPLES / "chat.yaml", ["scheduler.max_num_seqs=-3"])
+    assert str(raised.value) == (
+        f"{EXAMPLES / 'chat.yaml'}: scheduler.max_num_seqs: got -3, expected an integer ≥ 1 "
+        "(from --set scheduler.max_num_seqs=-3)"
+    )
+
+
+# --- bad input ---------------------------------------------------------------------------------------------
+
+def test_message_names_file_field_value_and_expectation(tmp_path):
+    path = tmp_path / "chat.yaml"
+    path.write_text((EXAMPLES / "chat.yaml").read_text().replace("max_num_seqs: 64", "max_num_seqs: -3"))
+    with pytest.raises(ConfigError) as raised:
+        load_config(path)
+    assert str(raised.value) == f"{path}: scheduler.max_num_seqs: got -3, expected an integer ≥ 1"
+
+
+@pytest.mark.parametrize(
+    "section,field,value,expected",
+    [
+        # types
+        ("scheduler", "max_num_seqs", 3.5, "got 3.5, expected an integer ≥ 1"),
+        ("scheduler", "max_num_seqs", True, "got true, expected an integer ≥ 1"),
+        ("scheduler", "max_num_seqs", "64", "got '64', expected an integer ≥ 1"),
+        ("scheduler", "enable_chunked_prefill", 1, "got 1, expected true or false"),
+        ("slo", "ttft_ms", "fast", "got 'fast', expected a finite number > 0 or null"),
+        ("slo", "ttft_ms", float("nan"), "got .nan, expected a finite number > 0 or null"),
+        ("simulation", "horizon_s", float("inf"), "got .inf, expected a finite number > 0 or null"),
+        ("hardware", "gpu", 100, "got 100, expected a non-empty string"),
+        ("hardware", "gpu", "", "got '', expected a non-empty string"),
+        # ranges
+        ("hardware", "tp", 0, "got 0, expected an integer ≥ 1"),
+        ("hardware", "gpu_memory_utilization", 0, "got 0, expected a finite number in (0, 1]"),
+        ("hardware", "gpu_memory_utilization", 1.5, "got 1.5, expected a finite number in (0, 1]"),
+        ("cost_model", "per_token_s", -1e-5, "got -1e-05, expected a finite number ≥ 0"),
+        ("scheduler", "max_num_batched_tokens", 0, "got 0, expected an integer ≥ 1"),
+        ("scheduler", "block_size", 0, "got 0, expected an integer ≥ 1"),
+        ("scheduler", "num_kv_blocks", 0, "got 0, expected an integer ≥ 1 or null"),
+        ("scheduler", "batch_size", 0, "got 0, expected an integer ≥ 1"),
+        ("scheduler", "long_prefill_token_threshold", -1, "got -1, expected an integer ≥ 0"),
+        ("scheduler", "watermark", 1.0, "got 1.0, expected a finite number in [0, 1)"),
+        ("scheduler", "watermark", -0.1, "got -0.1, expected a finite number in [0, 1)"),
+        ("scheduler", "max_num_queued_reqs", -1, "got -1, expected an integer ≥ 0 or null"),
+        ("scheduler", "max_wait_s", -0.5, "got -0.5, expected a finite number ≥ 0"),
+        ("slo", "itl_ms", 0, "got 0, expected a finite number > 0 or null"),
+        ("slo", "attainment_target", 0, "got 0, expected a finite number in (0, 1]"),
+        ("slo", "attainment_target", 1.01, "got 1.01, expected a finite number in (0, 1]"),
+        ("simulation", "horizon_s", 0, "got 0, expected a finite number > 0 or null"),
+        # choices
+        ("scheduler", "policy", "dynamic", "got 'dynamic', expected one of continuous, static"),
+        ("cost_model", "kind", "quadratic", "got 'quadratic', expected one of linear, roofline, calibrated"),
+    ],
+)
+def test_bad_field_values_are_named(section, field, value, expected):
+    assert config_error({section: {field: value}}) == f"c.yaml: {section}.{field}: {expected}"
+
+
+@pytest.mark.parametrize(
+    "workload,expected",
+    [
+        ({"arrivals": {"rate": 0}}, "workload.arrivals.rate: got 0, expected a finite number > 0 or null"),
+        ({"arrivals": {"rate": None}}, "workload.arrivals.rate: got null, expected a number > 0 for poisson arrivals"),
+        ({"arrivals": {"kind": "gamma"}}, "workload.arrivals.kind: got 'gamma', expected one of poisson, trace"),
+        ({"arrivals": {"format": "csv"}}, "workload.arrivals.format: got 'csv', expected one of processed, azure"),
+        ({"arrivals": {"rate_scale": 0}}, "workload.arrivals.rate_scale: got 0, expected a finite number > 0"),
+        ({"num_requests": 0}, "workload.num_requests: got 0, expected an integer ≥ 1 or null"),
+        ({"num_requests": None}, "workload.num_requests: got null, expected an integer ≥ 1 for poisson arrivals"),
+        ({"seed": -1}, "workload.seed: got -1, expected an integer ≥ 0"),
+        ({"lengths": {"kind": "zipf"}}, "workload.lengths.kind: got 'zipf', expected one of fixed, uniform, trace"),
+        ({"lengths": {"kind": "trace"}}, "workload.lengths.kind: got 'trace', expected fixed or uniform with poisson "
+                                         "arrivals (trace lengths need trace arrivals)"),
+        ({"lengths": None}, "workload.lengths: got null, expected a mapping with kind fixed or uniform"),
+        ({"lengths": {"prompt_tokens": 0}}, "workload.lengths.prompt_tokens: got 0, expected an integer in "
+                                            "[1, 2147483647] for fixed lengths"),
+        ({"lengths": {"output_tokens": [1, 4]}}, "workload.lengths.output_tokens: got [1, 4], expected an integer"),
+        ({"lengths": {"output_tokens": 2**31}}, "got 2147483648, expected an integer in [1, 2147483647]"),
+        ({"lengths": {"kind": "uniform"}}, "workload.lengths.prompt_tokens: got 512, expected [low, high]"),
+        ({"lengths": {"kind": "uniform", "prompt_tokens": [5, 1], "output_tokens": [1, 2]}},
+         "workload.lengths.prompt_tokens: got [5, 1], expected [low, high] for uniform lengths: integers in "
+         "[1, 2147483647] with low ≤ high"),
+        ({"lengths": {"kind": "uniform", "prompt_tokens": [0, 5], "output_tokens": [1, 2]}},
+         "workload.lengths.prompt_tokens: got [0, 5]"),
+        ({"lengths": {"kind": "uniform", "prompt_tokens": [1, 5], "output_tokens": [1, 2, 3]}},
+         "workload.lengths.output_tokens: got [1, 2, 3]"),
+        ({"lengths": {"kind": "uniform", "prompt_tokens": [1, 5.5], "output_tokens": [1, 2]}},
+         "workload.lengths.prompt_tokens: got [1, 5.5]"),
+        ({"arrivals": {"kind": "trace", "format": "azure"}},
+         "workload.arrivals.path: got null, expected the path of a trace file for trace arrivals"),
+        ({"arrivals": {"kind": "trace", "path": "tiny_azure.csv"}},
+         "workload.arrivals.format: got null, expected one of processed, azure for trace arrivals"),
+        ({"arrivals": {"kind": "trace", "path": "absent.csv", "format": "azure"}},
+         "workload.arrivals.path: got 'absent.csv', expected an existing trace file "
+         f"(no file {FIXTURES / 'absent.csv'})"),
+    ],
+)
+def test_bad_workloads_are_named(workload, expected):
+    message = config_error({"workload": workload}, base_dir=FIXTURES)
+    assert message.startswith("c.yaml: workload")
+    assert expected in message
+
+
+def test_cross_field_rules():
+    assert config_error({"scheduler": {"long_prefill_token_threshold": 256, "enable_chunked_prefill": False}}) == (
+        "c.yaml: scheduler.long_prefill_token_threshold: got 256, expected 0 when enable_chunked_prefill is false "
+        "(the threshold caps prefill chunks)"
+    )
+    assert config_error({"cost_model": {"kind": "calibrated"}}) == (
+        "c.yaml: cost_model.profile: got null, expected a fitted profile for the calibrated cost model"
+    )
+    chunked = config_from_dict({"scheduler": {"long_prefill_token_threshold": 256}})
+    assert chunked.scheduler.long_prefill_token_threshold == 256
+    calibrated = config_from_dict({"cost_model": {"kind": "calibrated", "profile": "a100.json"}})
+    assert calibrated.cost_model.profile == "a100.json"
+
+
+@pytest.mark.parametrize(
+    "data,expected",
+    [
+        ({"schedular": {}}, "c.yaml: schedular: unknown key; did you mean scheduler?"),
+        ({"scheduler": {"max_num_seq": 8}}, "c.yaml: scheduler.max_num_seq: unknown key; did you mean "
+                                            "scheduler.max_num_seqs?"),
+        ({"workload": {"arrivals": {"rat": 2}}}, "c.yaml: workload.arrivals.rat: unknown key; did you mean "
+                                                 "workload.arrivals.rate?"),
+        ({"slo": {"zzz": 1}}, "c.yaml: slo.zzz: unknown key; expected one of ttft_ms, itl_ms, tpot_ms, e2el_ms, "
+                              "attainment_target"),
+        ({"source": "x"}, "c.yaml: source: unknown key"),
+        ({"scheduler": 64}, "c.yaml: scheduler: got 64, expected a mapping with keys policy, max_num_seqs"),
+        ({"simulation": None}, "c.yaml: simulation: got null, expected a mapping with keys horizon_s"),
+    ],
+)
+def test_unknown_keys_and_misshapen_sections_are_named(data, expected):
+    assert config_error(data).startswith(expected)
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("scheduler:\n  max_num_seqs: 64\n\tblock_size: 16\n",
+         "line 3, column 1: invalid YAML (found character '\\t' that cannot start any token)"),
+        ("scheduler: {max_num_seqs: 64\nslo: {}\n",
+         "line 2, column 4: invalid YAML (expected ',' or '}', but got ':')"),
+        ("scheduler:\n  max_num_seqs: 64\n  max_num_seqs: 32\n", "line 3, column 3: invalid YAML (duplicate key "
+                                                                  "'max_num_seqs')"),
+        ("", "the config file is empty, expected a mapping of sections such as scheduler"),
+        ("- scheduler\n", "got ['scheduler'], expected a mapping of sections such as scheduler"),
+    ],
+)
+def test_unreadable_files_are_named_with_their_position(tmp_path, text, expected):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as raised:
+        load_config(path)
+    message = str(raised.value)
+    assert "\n" not in message
+    assert message == f"{path}: {expected}"
+
+
+def test_missing_and_non_text_config_files(tmp_path):
+    with pytest.raises(ConfigError, match="absent.yaml: no such config file"):
+        load_config(tmp_path / "absent.yaml")
+    with pytest.raises(ConfigError, match="is a folder"):
+        load_config(tmp_path)
+    (tmp_path / "binary.yaml").write_bytes(b"model: \xff\xfe\n")
+    with pytest.raises(ConfigError, match="not UTF-8 text"):
+        load_config(tmp_path / "binary.yaml")
+
+
+def test_config_errors_are_user_errors_with_one_line():
+    assert issubclass(ConfigError, UserError)
+    assert str(ConfigError("a.yaml: line 1\n  (detail)\n")) == "a.yaml: line 1 (detail)"
