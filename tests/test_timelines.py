@@ -1,0 +1,433 @@
+"""Hand-computed timelines: small workloads whose every event was worked out on paper from README.md.
+
+Each expected number below comes from the arithmetic in its comment, never from a simulator's output.
+Unless a test says otherwise the step time is the linear model with base 1 s and 0.01 s per token, so
+a step's duration is 1 + 0.01 * (tokens scheduled); "Rk" is request k in workload order, "t=" a step
+boundary, "c" computed tokens, "g" emitted tokens, "h" blocks held, "free" the free KV blocks.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from conftest import linear, scheduler_config
+from servetune.cost_models.linear import step_time_s
+from servetune.envs.outcome import (
+    COMPLETED,
+    ITL_HIST_BINS,
+    NOT_ARRIVED,
+    REJECT_KV_CAPACITY,
+    REJECT_NONE,
+    REJECT_QUEUE_FULL,
+    REJECT_TOKEN_BUDGET,
+    REJECTED,
+    UNFINISHED,
+    itl_bin_index,
+)
+from servetune.envs.workload import Workload
+
+NAN = math.nan
+BASE_COST = linear(1.0, per_token=0.01)
+
+
+def simulate(simulator, requests, horizon_s=None, cost_fn=step_time_s, cost=BASE_COST, **scheduler):
+    """Run ``requests`` — (arrival_s, prompt_tokens, output_tokens) triples — through ``simulator``."""
+    arrivals, prompts, outputs = zip(*requests)
+    workload = Workload.from_lists(arrivals, prompts, outputs)
+    return simulator(workload, scheduler_config(**scheduler), cost_fn, cost, horizon_s=horizon_s)
+
+
+def approx(values):
+    return pytest.approx(values, rel=1e-6, nan_ok=True)
+
+
+def assert_requests(outcome, *, first, finish, status=None, preemptions=None):
+    r = outcome.requests
+    assert list(r.first_token_s) == approx(first)
+    assert list(r.finish_s) == approx(finish)
+    if status is not None:
+        assert list(r.status) == status
+    if preemptions is not None:
+        assert list(r.preemptions) == preemptions
+
+
+def assert_accounting(outcome, arrived):
+    status = outcome.requests.status
+    completed, rejected, unfinished = (int(np.sum(status == s)) for s in (COMPLETED, REJECTED, UNFINISHED))
+    assert completed + rejected + unfinished == arrived
+    assert int(np.sum(status != NOT_ARRIVED)) == arrived
+
+
+# (a) ---------------------------------------------------------------------------------------------------
+
+
+def test_continuous_admits_arrivals_while_others_decode(simulator):
+    # R0 (a=0, P=100, O=4); R1 and R2 arrive at 1.5 (P=50, O=2 and P=10, O=3). block_size 16.
+    # t=0     R0 prefill 100                       d = 1 + 1.00 = 2.00 -> t=2.00  R0 first token
+    # t=2.00  R1, R2 arrive; R0 decode + R1 50 + R2 10 = 61 tokens
+    #                                              d = 1.61        -> t=3.61  R0 g=2; R1, R2 first token
+    # t=3.61  three decodes                        d = 1.03        -> t=4.64  R0 g=3; R1 g=2 done; R2 g=2
+    # t=4.64  R0, R2 decode                        d = 1.02        -> t=5.66  R0 g=4 done; R2 g=3 done
+    out = simulate(simulator, [(0.0, 100, 4), (1.5, 50, 2), (1.5, 10, 3)], max_num_seqs=8)
+    assert_requests(out, first=[2.00, 3.61, 3.61], finish=[5.66, 4.64, 5.66], status=[COMPLETED] * 3)
+    r = out.requests
+    assert list(r.generated_tokens) == [4, 2, 3]
+    # R0's gaps 1.61, 1.03, 1.02; R1's 1.03; R2's 1.03, 1.02.
+    assert list(r.max_itl_s) == approx([1.61, 1.03, 1.03])
+    assert list(r.itl_sum_sq_s2) == approx([1.61**2 + 1.03**2 + 1.02**2, 1.03**2, 1.03**2 + 1.02**2])
+
+    totals = out.totals
+    assert totals.end_s == pytest.approx(5.66, rel=1e-6)
+    assert totals.steps == 4
+    assert totals.scheduled_seqs == 1 + 3 + 3 + 2
+    # Blocks after each step's allocations: step 1: R0 ceil(100/16)=7 -> 7 * 2.00 = 14.00
+    # step 2: R0 ceil(101/16)=7, R1 ceil(50/16)=4, R2 ceil(10/16)=1 -> 12 * 1.61 = 19.32
+    # step 3: R0 ceil(102/16)=7, R1 ceil(51/16)=4, R2 ceil(11/16)=1 -> 12 * 1.03 = 12.36
+    # step 4: R0 7, R2 ceil(12/16)=1 -> 8 * 1.02 = 8.16                      total 53.84
+    assert totals.kv_block_seconds == pytest.approx(53.84, rel=1e-6)
+    # In system: 1 * 2.00 + R1, R2 arrived 0.5 s before t=2.00 (2 * 0.5) + 3 * 1.61 + 3 * 1.03 + 2 * 1.02
+    # = 2 + 1 + 4.83 + 3.09 + 2.04 = 12.96 = sum of (finish - arrival) = 5.66 + 3.14 + 4.16.
+    assert totals.in_system_seconds == pytest.approx(12.96, rel=1e-6)
+    assert not totals.truncated
+    gaps = np.array([1.61, 1.03, 1.02, 1.03, 1.03, 1.02])
+    expected_histogram = np.bincount(itl_bin_index(gaps), minlength=ITL_HIST_BINS)
+    assert np.array_equal(np.asarray(totals.itl_histogram), expected_histogram)
+
+
+# (b) ---------------------------------------------------------------------------------------------------
+
+STATIC_VS_CONTINUOUS = [(0.0, 10, 10), (0.0, 10, 2), (0.0, 10, 2), (0.5, 10, 2)]
+
+
+def test_static_batch_is_held_by_its_longest_request(simulator):
+    # batch_size 3: R0 (O=10) and two short requests form a batch at t=0; R3 arrives at 0.5.
+    # t=0     batch R0, R1, R2: 30 prefill tokens  d = 1.30 -> t=1.30  all first tokens
+    # t=1.30  R3 waits: static admits nothing while the batch runs; 3 decodes d = 1.03 -> t=2.33
+    #         R1, R2 done (g=2), R0 g=2
+    # R0 alone, d = 1.01 per token: g=10 at 2.33 + 8 * 1.01 = 10.41, done.
+    # t=10.41 running empty, R3 waited 9.91 >= max_wait 0.2: batch [R3]; 10 tokens d = 1.10 -> t=11.51
+    # t=11.51 R3 decode                             d = 1.01 -> t=12.52 done. TTFT(R3) = 11.51 - 0.5 = 11.01
+    out = simulate(simulator, STATIC_VS_CONTINUOUS, policy="static", batch_size=3, max_wait_s=0.2)
+    assert_requests(out, first=[1.30, 1.30, 1.30, 11.51], finish=[10.41, 2.33, 2.33, 12.52], status=[COMPLETED] * 4)
+    assert out.totals.end_s == pytest.approx(12.52, rel=1e-6)
+
+
+def test_continuous_batching_admits_the_late_arrival_at_once(simulator):
+    # t=0     R0, R1, R2: 30 prefill tokens        d = 1.30 -> t=1.30  all first tokens
+    # t=1.30  R3 arrives: 3 decodes + R3's 10      d = 1.13 -> t=2.43  R1, R2 done; R0 g=2; R3 first token
+    # t=2.43  R0, R3 decode                        d = 1.02 -> t=3.45  R3 done; R0 g=3
+    # R0 alone: g=10 at 3.45 + 7 * 1.01 = 10.52.  TTFT(R3) = 2.43 - 0.5 = 1.93, against 11.01 under static.
+    out = simulate(simulator, STATIC_VS_CONTINUOUS, policy="continuous")
+    assert_requests(out, first=[1.30, 1.30, 1.30, 2.43], finish=[10.52, 2.43, 2.43, 3.45], status=[COMPLETED] * 4)
+
+
+def test_static_formation_stops_at_batch_size_and_at_the_first_request_that_does_not_fit(simulator):
+    # block_size 4, 4 blocks, batch_size 3, max_wait 0 (a batch forms as soon as anything waits).
+    # R0, R1: P=8 (2 blocks each); R2..R5: P=4 (1 block each); all O=1, all arrive at 0.
+    # t=0     R0 (free 2), R1 (free 0), R2 does not fit -> batch [R0, R1]: 16 tokens d = 1.16 -> t=1.16
+    # t=1.16  batch [R2, R3, R4] (batch_size reached): 12 tokens  d = 1.12 -> t=2.28
+    # t=2.28  batch [R5]: 4 tokens                 d = 1.04 -> t=3.32
+    requests = [(0.0, 8, 1), (0.0, 8, 1)] + [(0.0, 4, 1)] * 4
+    out = simulate(simulator, requests, policy="static", batch_size=3, max_wait_s=0.0, block_size=4, num_kv_blocks=4)
+    done = [1.16, 1.16, 2.28, 2.28, 2.28, 3.32]
+    assert_requests(out, first=done, finish=done, status=[COMPLETED] * 6)
+    assert out.totals.steps == 3
+    assert out.totals.scheduled_seqs == 6
+
+
+# (c) ---------------------------------------------------------------------------------------------------
+
+CHUNKING = [(0.0, 10, 6), (1.5, 150, 2)]
+
+
+def test_unchunked_prefill_stalls_the_running_decode(simulator):
+    # Budget 256 (without chunking it must cover a whole prompt).
+    # t=0     R0 prefill 10                        d = 1.10 -> t=1.10  R0 first token
+    # t=1.10  R0 decode                            d = 1.01 -> t=2.11  R0 g=2
+    # t=2.11  R1 arrives; R0 decode + R1's whole 150  d = 2.51 -> t=4.62  R0 g=3 (gap 2.51); R1 first token
+    # t=4.62  both decode                          d = 1.02 -> t=5.64  R0 g=4; R1 done
+    # t=5.64  R0 -> 6.65 (g=5) -> 7.66 (g=6) done
+    out = simulate(simulator, CHUNKING, enable_chunked_prefill=False, max_num_batched_tokens=256)
+    assert_requests(out, first=[1.10, 4.62], finish=[7.66, 5.64], status=[COMPLETED] * 2)
+    assert list(out.requests.max_itl_s) == approx([2.51, 1.02])
+
+
+def test_chunked_prefill_bounds_the_decode_gap(simulator):
+    # Budget 64 with chunking: the decode goes first and the prompt takes what is left.
+    # t=0     R0 prefill 10                        d = 1.10 -> t=1.10
+    # t=1.10  R0 decode                            d = 1.01 -> t=2.11
+    # t=2.11  R0 decode + R1 chunk 63              d = 1.64 -> t=3.75  R1 c=63
+    # t=3.75  R0 decode + R1 chunk 63              d = 1.64 -> t=5.39  R1 c=126
+    # t=5.39  R0 decode + R1 last 24               d = 1.25 -> t=6.64  R0 g=5; R1 first token
+    # t=6.64  both decode                          d = 1.02 -> t=7.66  both done
+    # R0's largest gap is 1.64 instead of 2.51; R1's TTFT grows from 3.12 to 5.14.
+    out = simulate(simulator, CHUNKING, enable_chunked_prefill=True, max_num_batched_tokens=64)
+    assert_requests(out, first=[1.10, 6.64], finish=[7.66, 7.66], status=[COMPLETED] * 2)
+    assert list(out.requests.max_itl_s) == approx([1.64, 1.02])
+
+
+def test_unchunked_prompt_above_the_budget_left_blocks_the_queue(simulator):
+    # Chunking off, budget 10. R0 (0, P=6, O=3), R1 (0, P=8, O=1), R2 (0, P=2, O=1).
+    # t=0     R0 6 (budget left 4); R1's 8 > 4 blocks the queue, R2 behind it too
+    #                                              d = 1.06 -> t=1.06  R0 first token
+    # t=1.06  R0 decode (left 9); R1 8 (left 1); R2's 2 > 1 blocks   d = 1.09 -> t=2.15  R1 done
+    # t=2.15  R0 decode + R2 2                     d = 1.03 -> t=3.18  R0, R2 done
+    # (Had R2 skipped past R1 at t=0, it would have been done at 1.08.)
+    requests = [(0.0, 6, 3), (0.0, 8, 1), (0.0, 2, 1)]
+    out = simulate(simulator, requests, enable_chunked_prefill=False, max_num_batched_tokens=10)
+    assert_requests(out, first=[1.06, 2.15, 3.18], finish=[3.18, 2.15, 3.18], status=[COMPLETED] * 3)
+
+
+# (d) ---------------------------------------------------------------------------------------------------
+
+
+def test_long_prefill_token_threshold_lets_a_short_prompt_through(simulator):
+    # R0 P=100, R1 P=30, both O=2 at t=0; threshold 40.
+    # t=0     R0 chunk 40 + R1 30                  d = 1.70 -> t=1.70  R1 first token
+    # t=1.70  R0 chunk 40 + R1 decode              d = 1.41 -> t=3.11  R1 done; R0 c=80
+    # t=3.11  R0 last 20                           d = 1.20 -> t=4.31  R0 first token
+    # t=4.31  R0 decode                            d = 1.01 -> t=5.32  R0 done
+    requests = [(0.0, 100, 2), (0.0, 30, 2)]
+    out = simulate(simulator, requests, long_prefill_token_threshold=40)
+    assert_requests(out, first=[4.31, 1.70], finish=[5.32, 3.11])
+    # Without the threshold: t=0 130 tokens d = 2.30, both first tokens; both decode d = 1.02 -> 3.32.
+    out = simulate(simulator, requests, long_prefill_token_threshold=0)
+    assert_requests(out, first=[2.30, 2.30], finish=[3.32, 3.32])
+
+
+# (e) ---------------------------------------------------------------------------------------------------
+
+
+def test_preemption_recomputes_the_last_admitted_request(simulator):
+    # block_size 4, 2 blocks. R0 P=4 O=2 (peak 5 tokens = 2 blocks), R1 P=2 O=3 (peak 4 = 1 block).
+    # t=0     R0 (1 block), R1 (1 block), free 0; 6 tokens  d = 1.06 -> t=1.06  both first tokens
+    # t=1.06  R0 decode 4->5 needs a 2nd block, none free: preempt the last, R1 (c=0, g=1 kept, to the
+    #         queue), R0 takes the freed block. No admission in a step that preempted.
+    #         R0 decode                            d = 1.01 -> t=2.07  R0 done, frees 2
+    # t=2.07  R1 recompute: P+g = 3 tokens, 1 block d = 1.03 -> t=3.10  R1 g=2 (gap 3.10 - 1.06 = 2.04)
+    # t=3.10  R1 decode                            d = 1.01 -> t=4.11  R1 done
+    out = simulate(simulator, [(0.0, 4, 2), (0.0, 2, 3)], block_size=4, num_kv_blocks=2)
+    assert_requests(out, first=[1.06, 1.06], finish=[2.07, 4.11], status=[COMPLETED] * 2, preemptions=[0, 1])
+    assert list(out.requests.max_itl_s) == approx([1.01, 2.04])
+    assert list(out.requests.itl_sum_sq_s2) == approx([1.01**2, 2.04**2 + 1.01**2])
+    totals = out.totals
+    assert totals.steps == 4
+    assert totals.scheduled_seqs == 2 + 1 + 1 + 1
+    assert totals.end_s == pytest.approx(4.11, rel=1e-6)
+    # Blocks held: 2 * 1.06 + 2 (R0 only, R1 freed) * 1.01 + 1 * 1.03 + 1 * 1.01 = 6.18
+    assert totals.kv_block_seconds == pytest.approx(6.18, rel=1e-6)
+    # In system: 2 * 1.06 + 2 * 1.01 (R1 waiting) + 1 * 1.03 + 1 * 1.01 = 6.18 = 2.07 + 4.11
+    assert totals.in_system_seconds == pytest.approx(6.18, rel=1e-6)
+
+
+def test_a_request_that_preempts_itself_waits_for_blocks(simulator):
+    # block_size 4, 3 blocks. R0 and R1: P=4 O=6 (peak 9 tokens = 3 blocks).
+    # t=0     both admitted (1 block each, free 1); 8 tokens  d = 1.08 -> t=1.08  both first tokens
+    # t=1.08  R0 4->5 takes the free block; R1 4->5 finds none: the last request is R1 itself, preempted.
+    #         R0 decode                            d = 1.01 -> t=2.09
+    # R0 decodes alone (R1 needs ceil(5/4) = 2 blocks, 1 free) until it is done at 1.08 + 5 * 1.01 = 6.13
+    # (its 9th token at t=5.12 takes the last block).
+    # t=6.13  R1 recompute 5 tokens                d = 1.05 -> t=7.18  R1 g=2 (gap 7.18 - 1.08 = 6.10)
+    # R1 then decodes: g=6 at 7.18 + 4 * 1.01 = 11.22.
+    out = simulate(simulator, [(0.0, 4, 6), (0.0, 4, 6)], block_size=4, num_kv_blocks=3)
+    assert_requests(out, first=[1.08, 1.08], finish=[6.13, 11.22], status=[COMPLETED] * 2, preemptions=[0, 1])
+    assert list(out.requests.max_itl_s) == approx([1.01, 6.10])
+
+
+def test_victims_of_one_step_requeue_in_admission_order(simulator):
+    # block_size 4, 4 blocks. R0 P=4 O=2, R1 P=4 O=3, R2 P=2 O=3, R3 P=4 O=2; all 1 block at admission.
+    # t=0     all four admitted, free 0; 14 tokens d = 1.14 -> t=1.14  all first tokens
+    # t=1.14  R0 4->5 needs a block: preempt R3; R1 4->5 needs a block: preempt R2. Queue [R2, R3].
+    #         R0, R1 decode                        d = 1.02 -> t=2.16  R0 done (frees 2, free 2); R1 g=2
+    # t=2.16  R1 decode; front R2 recompute 3 tokens (1 block, free 1); R3 needs ceil(5/4) = 2: blocked.
+    #                                              d = 1.04 -> t=3.20  R1 done (free 3); R2 g=2
+    # t=3.20  R2 decode + R3 recompute 5 tokens    d = 1.06 -> t=4.26  R2 done; R3 g=2 done
+    # (Had R3 been first in the queue it would have finished at 3.22.)
+    requests = [(0.0, 4, 2), (0.0, 4, 3), (0.0, 2, 3), (0.0, 4, 2)]
+    out = simulate(simulator, requests, block_size=4, num_kv_blocks=4)
+    assert_requests(
+        out, first=[1.14] * 4, finish=[2.16, 3.20, 4.26, 4.26], status=[COMPLETED] * 4, preemptions=[0, 0, 1, 1]
+    )
+    # R2's gaps: 3.20 - 1.14 = 2.06, then 1.06; R3's only gap 4.26 - 1.14 = 3.12.
+    assert list(out.requests.max_itl_s) == approx([1.02, 1.04, 2.06, 3.12])
+
+
+# (f) ---------------------------------------------------------------------------------------------------
+
+
+def test_kv_capacity_and_queue_full_rejections(simulator):
+    # block_size 4, 4 blocks, at most 1 queued request.
+    # R0 (0, P=8, O=1): accepted, queue [R0].
+    # R1 (0, P=16, O=2): peak 17 tokens = 5 blocks > 4 -> kv_capacity.
+    # R2 (0, P=2, O=1): the queue already holds 1 -> queue_full.
+    # R3 (0.5, P=2, O=1): processed at t=1.08, queue empty -> accepted.
+    # t=0     R0 prefill 8                         d = 1.08 -> t=1.08  R0 done
+    # t=1.08  R3 prefill 2                         d = 1.02 -> t=2.10  R3 done
+    requests = [(0.0, 8, 1), (0.0, 16, 2), (0.0, 2, 1), (0.5, 2, 1)]
+    out = simulate(simulator, requests, block_size=4, num_kv_blocks=4, max_num_queued_reqs=1)
+    assert_requests(
+        out,
+        first=[1.08, NAN, NAN, 2.10],
+        finish=[1.08, NAN, NAN, 2.10],
+        status=[COMPLETED, REJECTED, REJECTED, COMPLETED],
+    )
+    assert list(out.requests.reject_reason) == [REJECT_NONE, REJECT_KV_CAPACITY, REJECT_QUEUE_FULL, REJECT_NONE]
+    assert list(out.requests.generated_tokens) == [1, 0, 0, 1]
+    assert list(out.requests.max_itl_s) == approx([NAN] * 4)
+    assert list(out.requests.itl_sum_sq_s2) == approx([0.0] * 4)
+    assert_accounting(out, arrived=4)
+
+
+def test_token_budget_rejection_without_chunked_prefill(simulator):
+    # Chunking off, budget 8.
+    # R0 (0, P=8, O=1): peak P+O-1 = 8 <= 8 (the last token is never fed back) -> accepted.
+    # R1 (0, P=8, O=2): peak 9 > 8 -> token_budget.
+    # R2 (0, P=4, O=5): peak 8 -> accepted.
+    # t=0     R0 whole prompt 8 uses the budget; R2 waits  d = 1.08 -> t=1.08  R0 done
+    # t=1.08  R2 prefill 4                         d = 1.04 -> t=2.12  R2 first token
+    # R2 decodes: g=5 at 2.12 + 4 * 1.01 = 6.16
+    requests = [(0.0, 8, 1), (0.0, 8, 2), (0.0, 4, 5)]
+    out = simulate(simulator, requests, enable_chunked_prefill=False, max_num_batched_tokens=8)
+    assert_requests(out, first=[1.08, NAN, 2.12], finish=[1.08, NAN, 6.16], status=[COMPLETED, REJECTED, COMPLETED])
+    assert list(out.requests.reject_reason) == [REJECT_NONE, REJECT_TOKEN_BUDGET, REJECT_NONE]
+    assert_accounting(out, arrived=3)
+
+
+def test_kv_capacity_is_checked_before_token_budget(simulator):
+    # README lists the rejection reasons in order; a request failing both reports the first.
+    # block_size 4, 4 blocks, chunking off, budget 8: R0 (P=16, O=2) has peak 17 > 16 tokens and > 8.
+    out = simulate(
+        simulator, [(0.0, 16, 2)], block_size=4, num_kv_blocks=4, enable_chunked_prefill=False, max_num_batched_tokens=8
+    )
+    assert list(out.requests.reject_reason) == [REJECT_KV_CAPACITY]
+
+
+# (g) ---------------------------------------------------------------------------------------------------
+
+
+def test_watermark_blocks_admission_but_not_running_requests(simulator):
+    # block_size 4, 10 blocks, watermark 0.2 -> W = 2, so a request may need at most 10 - 2 = 8 blocks.
+    # R0, R1 (0, P=16, O=5): peak 20 tokens = 5 blocks. R2 (0, P=4, O=1). R3 (0, P=30, O=4).
+    # Arrival: R3's peak 33 tokens = 9 blocks > 8 -> kv_capacity (10 blocks would have held it).
+    # t=0     R0 takes 4 (free 6), R1 takes 4 (free 2 >= W); R2 would leave 1 < W: blocked.
+    #         32 tokens                            d = 1.32 -> t=1.32  R0, R1 first tokens
+    # t=1.32  R0 16->17 takes a block (free 1, below W: the watermark only guards admission), R1 too
+    #         (free 0); R2 still blocked. Two decodes d = 1.02 per step: g=5 at 1.32 + 4 * 1.02 = 5.40,
+    #         R0, R1 done, free 10.
+    # t=5.40  R2 prefill 4                         d = 1.04 -> t=6.44  R2 done
+    # (Without the watermark R2 would have joined the first step and finished at 1.36.)
+    requests = [(0.0, 16, 5), (0.0, 16, 5), (0.0, 4, 1), (0.0, 30, 4)]
+    out = simulate(simulator, requests, block_size=4, num_kv_blocks=10, watermark=0.2)
+    assert_requests(
+        out,
+        first=[1.32, 1.32, 6.44, NAN],
+        finish=[5.40, 5.40, 6.44, NAN],
+        status=[COMPLETED, COMPLETED, COMPLETED, REJECTED],
+        preemptions=[0, 0, 0, 0],
+    )
+    assert list(out.requests.reject_reason) == [REJECT_NONE] * 3 + [REJECT_KV_CAPACITY]
+
+
+# (h) ---------------------------------------------------------------------------------------------------
+
+
+def test_horizon_leaves_unfinished_and_not_arrived_requests(simulator):
+    # Horizon 2.5. R0 (0, P=10, O=2), R1 (1.0, P=10, O=5), R2 (2.5, ...) and R3 (3.0, ...) never arrive.
+    # t=0     R0 prefill 10                        d = 1.10 -> t=1.10  R0 first token
+    # t=1.10  R1 arrives; R0 decode + R1 10        d = 1.11 -> t=2.21  R0 done; R1 first token
+    # t=2.21  R1 decode (a step that starts before the horizon runs to its end)  d = 1.01 -> t=3.22
+    # t=3.22  >= 2.5: the run stops. R1 has emitted 2 of 5 tokens: unfinished.
+    requests = [(0.0, 10, 2), (1.0, 10, 5), (2.5, 10, 1), (3.0, 10, 1)]
+    out = simulate(simulator, requests, horizon_s=2.5)
+    assert_requests(
+        out,
+        first=[1.10, 2.21, NAN, NAN],
+        finish=[2.21, NAN, NAN, NAN],
+        status=[COMPLETED, UNFINISHED, NOT_ARRIVED, NOT_ARRIVED],
+    )
+    assert list(out.requests.generated_tokens) == [2, 2, 0, 0]
+    assert list(out.requests.max_itl_s) == approx([1.11, 1.01, NAN, NAN])
+    assert_accounting(out, arrived=2)
+    assert out.totals.end_s == pytest.approx(3.22, rel=1e-6)
+    # In system: 1 * 1.10 + R1 arrived 0.10 before t=1.10 + 2 * 1.11 + 1 * 1.01 (R1 counts until the end)
+    # = 1.10 + 0.10 + 2.22 + 1.01 = 4.43
+    assert out.totals.in_system_seconds == pytest.approx(4.43, rel=1e-6)
+
+
+def test_idle_wait_for_a_request_beyond_the_horizon_stops_at_the_horizon(simulator):
+    # Horizon 3.0. R0 (0, P=10, O=1) is done at 1.10; the engine idles toward R1 at 5.0, which never
+    # arrives, and the wait stops at the horizon.
+    out = simulate(simulator, [(0.0, 10, 1), (5.0, 10, 1)], horizon_s=3.0)
+    assert_requests(out, first=[1.10, NAN], finish=[1.10, NAN], status=[COMPLETED, NOT_ARRIVED])
+    assert out.totals.end_s == pytest.approx(3.0, rel=1e-6)
+    assert out.totals.steps == 1
+    assert_accounting(out, arrived=1)
+
+
+# (i) ---------------------------------------------------------------------------------------------------
+
+
+def test_idle_engine_jumps_to_the_next_arrival(simulator):
+    # R0 (0, P=10, O=1), R1 (5.0, P=20, O=2); block_size 16.
+    # t=0     R0 prefill 10                        d = 1.10 -> t=1.10  R0 done
+    # idle    jump to 5.0
+    # t=5.0   R1 prefill 20                        d = 1.20 -> t=6.20  R1 first token
+    # t=6.20  R1 decode                            d = 1.01 -> t=7.21  R1 done
+    out = simulate(simulator, [(0.0, 10, 1), (5.0, 20, 2)])
+    assert_requests(out, first=[1.10, 6.20], finish=[1.10, 7.21], status=[COMPLETED] * 2)
+    totals = out.totals
+    assert totals.end_s == pytest.approx(7.21, rel=1e-6)
+    assert totals.steps == 3
+    assert totals.scheduled_seqs == 3
+    # Blocks: 1 * 1.10 + (idle: none) + ceil(20/16)=2 * 1.20 + ceil(21/16)=2 * 1.01 = 1.10 + 2.40 + 2.02
+    assert totals.kv_block_seconds == pytest.approx(5.52, rel=1e-6)
+    # In system: 1.10 + 0 while idle + 1.20 + 1.01 = 3.31
+    assert totals.in_system_seconds == pytest.approx(3.31, rel=1e-6)
+
+
+def test_static_batch_forms_when_the_front_request_has_waited_max_wait(simulator):
+    # batch_size 4, max_wait 2.0. R0 (0), R1 (1.0), R2 (10.0); all P=10, O=1.
+    # t=0     1 waiting < 4, waited 0 < 2: idle; next event min(arrival 1.0, timeout 0 + 2 = 2.0) = 1.0
+    # t=1.0   2 waiting, front waited 1.0: idle; min(arrival 10.0, timeout 2.0) = 2.0
+    # t=2.0   R0 waited 2.0: batch [R0, R1], 20 tokens d = 1.20 -> t=3.20  both done
+    # idle    jump to 10.0; R2 alone, its timeout 12.0 comes first (no more arrivals): jump to 12.0
+    # t=12.0  batch [R2]                           d = 1.10 -> t=13.10
+    out = simulate(simulator, [(0.0, 10, 1), (1.0, 10, 1), (10.0, 10, 1)], policy="static", batch_size=4, max_wait_s=2.0)
+    assert_requests(out, first=[3.20, 3.20, 13.10], finish=[3.20, 3.20, 13.10], status=[COMPLETED] * 3)
+    totals = out.totals
+    assert totals.end_s == pytest.approx(13.10, rel=1e-6)
+    # In system: idle 0->1 with 1 waiting (1.0) + idle 1->2 with 2 (2.0) + step 2 * 1.20 + idle 10->12
+    # with 1 (2.0) + step 1 * 1.10 = 8.50 = 3.20 + 2.20 + 3.10
+    assert totals.in_system_seconds == pytest.approx(8.50, rel=1e-6)
+
+
+# The batch summary handed to the cost model ------------------------------------------------------------
+
+
+def probe_step_time(params, batch):
+    """A cost that weighs every StepBatch field differently, so a miscounted field changes the timeline."""
+    del params
+    return (
+        1.0
+        + 0.5 * batch.num_prefill_seqs
+        + 0.01 * batch.prefill_tokens
+        + 0.001 * batch.prefill_context_tokens
+        + 0.0001 * batch.prefill_attention_pairs
+        + 0.1 * batch.num_decode_seqs
+        + 0.001 * batch.decode_context_tokens
+    )
+
+
+def test_step_batch_counts_prefill_chunks_and_decodes(simulator):
+    # R0 (0, P=4, O=3) in chunks of 2 (threshold 2); R1 (0, P=1, O=2): one prompt token is a prefill (g=0).
+    # t=0        prefills: R0 n=2 c=0 (pairs 2*(0+1) = 2), R1 n=1 c=0 (pairs 1*(0+0.5) = 0.5)
+    #            seqs 2, tokens 3, context 2+1 = 3, pairs 2.5
+    #            d = 1 + 1.0 + 0.03 + 0.003 + 0.00025 = 2.03325            -> t=2.03325  R1 first token
+    # t=2.03325  prefill R0 n=2 c=2: tokens 2, context 4, pairs 2*(2+1) = 6; decode R1 c=1: context 2
+    #            d = 1 + 0.5 + 0.02 + 0.004 + 0.0006 + 0.1 + 0.002 = 1.6266 -> t=3.65985  R0 first; R1 done
+    # t=3.65985  decode R0 c=4: context 5  d = 1 + 0.1 + 0.005 = 1.105     -> t=4.76485
+    # t=4.76485  decode R0 c=5: context 6  d = 1.106                      -> t=5.87085  R0 done
+    out = simulate(simulator, [(0.0, 4, 3), (0.0, 1, 2)], cost_fn=probe_step_time, long_prefill_token_threshold=2)
+    assert_requests(out, first=[3.65985, 2.03325], finish=[5.87085, 3.65985], status=[COMPLETED] * 2)
