@@ -1,0 +1,661 @@
+"""The JAX serving engine: vLLM V1's scheduling step as a pure function over fixed-shape arrays.
+
+The rules are the README's "Engine semantics"; ``envs/reference.py`` states them as a plain loop and
+this module computes the same thing without a Python loop over requests or steps:
+
+* A **request table** (one row per request, in arrival order) holds what persists while a request is
+  not running; a **slot table** (``num_slots`` rows) holds the running requests, compacted in
+  admission order so that "earlier-admitted first" is simply array order.
+* The waiting queue is a ring buffer of request ids: arrivals append at the back, preempted requests
+  are prepended at the front, admissions pop the front.
+* Sequential rules become prefix computations: the token budget is an exclusive cumulative sum, "stop
+  at the first request that does not fit" is a prefix-AND, and preempting from the back of the running
+  set until an allocation fits is a comparison of cumulative block demand against suffix sums of the
+  blocks the back requests hold.
+* **Macro-steps.** Between events (an arrival, a prefill chunk, an admission, a completion, running
+  out of KV blocks) consecutive decode steps repeat the same schedule with every context one token
+  longer. One loop iteration evaluates the cost model for up to ``LOOKAHEAD_STEPS`` such steps at
+  once and applies as many as happen before the next event, so the loop runs once per event rather
+  than once per engine step. Each step is still costed and accounted individually.
+
+Numbers: token and block counts are int32. Time is float32, except the clock and arrival times, which
+are double-float pairs (hi + lo, each float32): a run of 300,000 steps of ~15 ms at t ~ 5,000 s would
+otherwise round every step to float32's 0.5 ms spacing there. Latencies are stored as float32
+differences, which are accurate.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from servetune.envs.outcome import ITL_HIST_BINS, ITL_HIST_MIN_S, ITL_LOG_BIN_WIDTH
+from servetune.pytree import pytree_dataclass, replace
+from servetune.types import StepBatch
+
+LOOKAHEAD_STEPS = 64        # decode steps one loop iteration may apply at once
+ARRIVALS_PER_ITERATION = 16  # arrivals processed per loop iteration (more just take more iterations)
+NO_LIMIT = 2**30
+
+# Request-table status while simulating (envs/outcome.py maps these to the reported statuses).
+PENDING, IN_SYSTEM, DONE, REJECTED = 0, 1, 2, 3
+# Rejection reasons, as in envs/outcome.py.
+KV_CAPACITY, TOKEN_BUDGET, QUEUE_FULL = 1, 2, 3
+
+f32, i32 = jnp.float32, jnp.int32
+
+
+# ---------------------------------------------------------------------------------------------
+# Pytrees
+# ---------------------------------------------------------------------------------------------
+@pytree_dataclass
+class Trace:
+    """The workload on the device. Arrival times are double-float (hi + lo)."""
+
+    arrival_hi: jnp.ndarray
+    arrival_lo: jnp.ndarray
+    prompt: jnp.ndarray
+    output: jnp.ndarray
+
+
+@pytree_dataclass
+class EngineParams:
+    """Every knob is a traced value: changing one does not recompile, and configs vmap."""
+
+    max_num_seqs: jnp.ndarray
+    max_num_batched_tokens: jnp.ndarray
+    chunked_prefill: jnp.ndarray           # bool
+    long_prefill_token_threshold: jnp.ndarray
+    block_size: jnp.ndarray
+    num_kv_blocks: jnp.ndarray
+    watermark_blocks: jnp.ndarray          # floor(watermark * num_kv_blocks), computed on the host
+    max_num_queued_reqs: jnp.ndarray       # NO_LIMIT when unset
+    static_batching: jnp.ndarray           # bool
+    batch_size: jnp.ndarray
+    max_wait_s: jnp.ndarray
+    horizon_hi: jnp.ndarray                # +inf when unset
+    horizon_lo: jnp.ndarray
+    max_iterations: jnp.ndarray            # a guard against a bug, never a semantic limit
+    cost: Any                              # the cost model's parameter pytree
+
+
+@pytree_dataclass
+class Slots:
+    """The running requests, positions [0, num_running) valid, in admission order."""
+
+    req: jnp.ndarray
+    prompt: jnp.ndarray
+    output: jnp.ndarray
+    computed: jnp.ndarray
+    generated: jnp.ndarray
+    blocks: jnp.ndarray
+    gap: jnp.ndarray        # seconds since the request's last emitted token
+    max_gap: jnp.ndarray
+    sum_sq_gap: jnp.ndarray
+
+
+@pytree_dataclass
+class Requests:
+    """Per-request state that outlives a slot (and the results)."""
+
+    status: jnp.ndarray
+    reason: jnp.ndarray
+    generated: jnp.ndarray
+    preemptions: jnp.ndarray
+    ttft: jnp.ndarray
+    e2el: jnp.ndarray
+    max_gap: jnp.ndarray
+    sum_sq_gap: jnp.ndarray
+    last_emit_hi: jnp.ndarray
+    last_emit_lo: jnp.ndarray
+
+
+@pytree_dataclass
+class EngineState:
+    clock_hi: jnp.ndarray
+    clock_lo: jnp.ndarray
+    next_arrival: jnp.ndarray
+    queue: jnp.ndarray
+    queue_head: jnp.ndarray
+    queue_len: jnp.ndarray
+    slots: Slots
+    num_running: jnp.ndarray
+    free_blocks: jnp.ndarray
+    requests: Requests
+    steps: jnp.ndarray
+    scheduled_seqs: jnp.ndarray
+    kv_block_seconds: jnp.ndarray
+    in_system_seconds: jnp.ndarray
+    itl_histogram: jnp.ndarray
+    iterations: jnp.ndarray
+    ended: jnp.ndarray
+
+
+# ---------------------------------------------------------------------------------------------
+# Small array helpers
+# ---------------------------------------------------------------------------------------------
+def _ceil_div(a, b):
+    return (a + b - 1) // b
+
+
+def _exclusive_cumsum(x):
+    return jnp.cumsum(x) - x
+
+
+def _prefix_and(mask):
+    """True up to (not including) the first False."""
+    return jnp.cumsum(~mask) == 0
+
+
+def _two_sum(a, b):
+    s = a + b
+    bb = s - a
+    err = (a - (s - bb)) + (b - bb)
+    return s, err
+
+
+def _df_add(hi, lo, x):
+    """Double-float (hi, lo) plus a float32."""
+    s, err = _two_sum(hi, x)
+    lo = lo + err
+    new_hi = s + lo
+    return new_hi, lo - (new_hi - s)
+
+
+def _df_sub(a_hi, a_lo, b_hi, b_lo):
+    """(a - b) as a float32; exact enough because latencies are small next to the clock."""
+    return (a_hi - b_hi) + (a_lo - b_lo)
+
+
+def _df_le(a_hi, a_lo, b_hi, b_lo):
+    return _df_sub(a_hi, a_lo, b_hi, b_lo) <= 0
+
+
+def _itl_bin(gap):
+    idx = jnp.floor(jnp.log(jnp.maximum(gap, ITL_HIST_MIN_S) / ITL_HIST_MIN_S) / ITL_LOG_BIN_WIDTH)
+    return jnp.clip(idx, 0, ITL_HIST_BINS - 1).astype(i32)
+
+
+def _set_where(array, index, value, mask):
+    """array[index] = value where mask; masked-off rows are dropped, not written."""
+    return array.at[jnp.where(mask, index, array.shape[0])].set(value, mode="drop")
+
+
+# ---------------------------------------------------------------------------------------------
+# Initial state
+# ---------------------------------------------------------------------------------------------
+def init_state(trace: Trace, params: EngineParams, num_slots: int) -> EngineState:
+    n = trace.prompt.shape[0]
+    zeros_i = jnp.zeros(num_slots, i32)
+    zeros_f = jnp.zeros(num_slots, f32)
+    slots = Slots(zeros_i, zeros_i, zeros_i, zeros_i, zeros_i, zeros_i, zeros_f, zeros_f, zeros_f)
+    rz_i, rz_f = jnp.zeros(n, i32), jnp.zeros(n, f32)
+    nan = jnp.full(n, jnp.nan, f32)
+    requests = Requests(rz_i, rz_i, rz_i, rz_i, nan, nan, rz_f, rz_f, rz_f, rz_f)
+    # The clock starts at the first arrival -- or at the horizon, if nothing arrives before it.
+    starts_at_horizon = _df_le(params.horizon_hi, params.horizon_lo, trace.arrival_hi[0], trace.arrival_lo[0])
+    return EngineState(
+        clock_hi=jnp.where(starts_at_horizon, params.horizon_hi, trace.arrival_hi[0]),
+        clock_lo=jnp.where(starts_at_horizon, params.horizon_lo, trace.arrival_lo[0]),
+        next_arrival=jnp.asarray(0, i32),
+        queue=jnp.zeros(n, i32), queue_head=jnp.asarray(0, i32), queue_len=jnp.asarray(0, i32),
+        slots=slots, num_running=jnp.asarray(0, i32),
+        free_blocks=jnp.asarray(params.num_kv_blocks, i32),
+        requests=requests,
+        steps=jnp.asarray(0, i32), scheduled_seqs=jnp.asarray(0, i32),
+        kv_block_seconds=jnp.asarray(0.0, f32), in_system_seconds=jnp.asarray(0.0, f32),
+        itl_histogram=jnp.zeros(ITL_HIST_BINS, i32),
+        iterations=jnp.asarray(0, i32), ended=jnp.asarray(False),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Arrivals
+# ---------------------------------------------------------------------------------------------
+def _arrival_due(trace, params, state, index):
+    """Whether request `index` has arrived by the clock (and before the horizon)."""
+    n = trace.prompt.shape[0]
+    safe = jnp.minimum(index, n - 1)
+    a_hi, a_lo = trace.arrival_hi[safe], trace.arrival_lo[safe]
+    return (
+        (index < n)
+        & _df_le(a_hi, a_lo, state.clock_hi, state.clock_lo)
+        & ~_df_le(params.horizon_hi, params.horizon_lo, a_hi, a_lo)
+    )
+
+
+def _process_arrivals(trace: Trace, params: EngineParams, state: EngineState):
+    """Admit or reject up to ARRIVALS_PER_ITERATION due arrivals, in order; report if more are due."""
+    n = trace.prompt.shape[0]
+    index = state.next_arrival + jnp.arange(ARRIVALS_PER_ITERATION, dtype=i32)
+    due = _arrival_due(trace, params, state, index)  # a prefix: arrivals are sorted
+    safe = jnp.minimum(index, n - 1)
+    peak_tokens = trace.prompt[safe] + trace.output[safe] - 1
+    never_fits = _ceil_div(peak_tokens, params.block_size) > params.num_kv_blocks - params.watermark_blocks
+    over_budget = ~params.chunked_prefill & (peak_tokens > params.max_num_batched_tokens)
+    admissible = due & ~never_fits & ~over_budget
+    # Once the queue is full it stays full for the rest of this batch (nothing leaves it here), so the
+    # accepted arrivals are the first admissible ones that still find room.
+    rank = _exclusive_cumsum(admissible.astype(i32))
+    accepted = admissible & (state.queue_len + rank < params.max_num_queued_reqs)
+    rejected = due & ~accepted
+    reason = jnp.where(never_fits, KV_CAPACITY, jnp.where(over_budget, TOKEN_BUDGET, QUEUE_FULL))
+
+    queue_pos = (state.queue_head + state.queue_len + rank) % n
+    queue = _set_where(state.queue, queue_pos, index, accepted)
+    req = state.requests
+    req = replace(req,
+        status=_set_where(req.status, index, jnp.where(accepted, IN_SYSTEM, REJECTED), due),
+        reason=_set_where(req.reason, index, reason, rejected),
+    )
+    # A request arriving mid-step is in the system from its arrival, though processed at the boundary.
+    waited = _df_sub(state.clock_hi, state.clock_lo, trace.arrival_hi[safe], trace.arrival_lo[safe])
+    next_arrival = state.next_arrival + jnp.sum(due, dtype=i32)
+    state = replace(state,
+        queue=queue,
+        queue_len=state.queue_len + jnp.sum(accepted, dtype=i32),
+        requests=req,
+        next_arrival=next_arrival,
+        in_system_seconds=state.in_system_seconds + jnp.sum(jnp.where(accepted, waited, 0.0)),
+    )
+    more_due = _arrival_due(trace, params, state, next_arrival)
+    return state, more_due
+
+
+# ---------------------------------------------------------------------------------------------
+# Scheduling
+# ---------------------------------------------------------------------------------------------
+def _queue_front(trace: Trace, state: EngineState, num_slots: int) -> tuple[Slots, jnp.ndarray]:
+    """The first num_slots waiting requests, as would-be slot rows, and which of them exist."""
+    n = trace.prompt.shape[0]
+    k = jnp.arange(num_slots, dtype=i32)
+    valid = k < state.queue_len
+    ids = jnp.where(valid, state.queue[(state.queue_head + k) % n], 0)
+    req = state.requests
+    since_last = _df_sub(state.clock_hi, state.clock_lo, req.last_emit_hi[ids], req.last_emit_lo[ids])
+    rows = Slots(
+        req=ids, prompt=trace.prompt[ids], output=trace.output[ids],
+        computed=jnp.zeros(num_slots, i32), generated=req.generated[ids],
+        blocks=jnp.zeros(num_slots, i32),  # set by the admitting caller
+        gap=since_last, max_gap=req.max_gap[ids], sum_sq_gap=req.sum_sq_gap[ids],
+    )
+    return rows, valid
+
+
+def _place_admitted(slots: Slots, start, count, rows: Slots) -> Slots:
+    """Slots [start, start + count) take rows [0, count) of the admitted candidates."""
+    pos = jnp.arange(slots.req.shape[0], dtype=i32)
+    src = jnp.clip(pos - start, 0, pos.shape[0] - 1)
+    take = (pos >= start) & (pos < start + count)
+    return jax.tree_util.tree_map(lambda old, new: jnp.where(take, new[src], old), slots, rows)
+
+
+def _capped_need(need, params):
+    """A request's wanted tokens this step: all it needs, or the long-prefill cap when chunking."""
+    return jnp.where(
+        params.chunked_prefill & (params.long_prefill_token_threshold > 0),
+        jnp.minimum(need, params.long_prefill_token_threshold), need)
+
+
+def _take_from_budget(need, budget_left, params):
+    """Budgeted passes over requests in order: each takes min(capped need, budget before it).
+
+    Returns the tokens each request takes and whether the pass reaches it (the budget is positive and,
+    without chunked prefill, its whole need fits).
+    """
+    capped = _capped_need(need, params)
+    budget_before = budget_left - _exclusive_cumsum(capped)
+    fits = (budget_before > 0) & (params.chunked_prefill | (capped <= budget_before))
+    return jnp.where(fits, jnp.minimum(capped, budget_before), 0), fits
+
+
+def _form_static_batch(trace, params, state, num_slots):
+    """Static batching: when idle and the queue is full or old enough, a whole batch starts at once."""
+    rows, valid = _queue_front(trace, state, num_slots)
+    front = state.queue[state.queue_head]
+    timeout_hi, timeout_lo = _df_add(trace.arrival_hi[front], trace.arrival_lo[front], params.max_wait_s)
+    trigger = (
+        params.static_batching & (state.num_running == 0) & (state.queue_len > 0)
+        & ((state.queue_len >= params.batch_size) | _df_le(timeout_hi, timeout_lo, state.clock_hi, state.clock_lo))
+    )
+    blocks = _ceil_div(rows.prompt + rows.generated, params.block_size)
+    k = jnp.arange(num_slots, dtype=i32)
+    fits = state.free_blocks - jnp.cumsum(jnp.where(valid, blocks, 0)) >= params.watermark_blocks
+    take = _prefix_and(valid & (k < params.batch_size) & fits) & trigger
+    count = jnp.sum(take, dtype=i32)
+    rows = replace(rows, blocks=blocks)
+    return replace(state,
+        slots=_place_admitted(state.slots, state.num_running, count, rows),
+        num_running=state.num_running + count,
+        queue_head=(state.queue_head + count) % trace.prompt.shape[0],
+        queue_len=state.queue_len - count,
+        free_blocks=state.free_blocks - jnp.sum(jnp.where(take, blocks, 0)),
+    ), count
+
+
+def _running_pass(params, state, num_slots):
+    """Running requests first: budget, block allocation, and preemption of the last-admitted.
+
+    Processing position i needs the blocks E_i (cumulative over positions <= i). If fewer are free,
+    requests are preempted from the back until free + (blocks held by positions >= end) >= E_i; so
+    the running set's end after position i is the largest `end` satisfying that, and the request
+    preempts itself when end <= i.
+    """
+    s = state.slots
+    pos = jnp.arange(num_slots, dtype=i32)
+    running = pos < state.num_running
+    need = s.prompt + s.generated - s.computed
+    tokens, fits_budget = _take_from_budget(jnp.where(running, need, 0), params.max_num_batched_tokens, params)
+    in_pass = running & fits_budget
+    extra = jnp.where(in_pass, jnp.maximum(_ceil_div(s.computed + tokens, params.block_size) - s.blocks, 0), 0)
+    demand = jnp.cumsum(extra)
+    held = jnp.where(running, s.blocks, 0)
+    held_from = jnp.concatenate([jnp.cumsum(held[::-1])[::-1], jnp.zeros(1, i32)])  # held by positions >= p
+    shortfall = demand - state.free_blocks
+    end_after = jnp.minimum(state.num_running, jnp.sum(held_from[None, 1:] >= shortfall[:, None], axis=1))
+    scheduled = _prefix_and(in_pass & (end_after > pos))
+    count = jnp.sum(scheduled, dtype=i32)
+    last = jnp.maximum(count - 1, 0)
+    end_before_stop = jnp.where(count > 0, end_after[last], state.num_running)
+    at_stop = jnp.minimum(count, num_slots - 1)
+    # The pass stopped at `count` either for the budget (nothing more preempted) or because the
+    # allocation there failed, which preempts every request from the back down to `count` itself.
+    allocation_failed = (count < state.num_running) & in_pass[at_stop] & (end_after[at_stop] <= count)
+    end = jnp.where(allocation_failed, jnp.minimum(end_before_stop, count), end_before_stop)
+    free = state.free_blocks + held_from[end] - jnp.where(count > 0, demand[last], 0)
+    tokens = jnp.where(scheduled, tokens, 0)
+    slots = replace(s, blocks=s.blocks + jnp.where(scheduled, extra, 0))
+    preempted = running & (pos >= end)
+    return slots, tokens, preempted, end, free
+
+
+def _requeue_preempted(trace, state, slots, preempted, end, num_slots):
+    """Victims go to the front of the queue in admission order, keeping what they emitted.
+
+    `preempted` must already be False everywhere in an iteration that does not step the engine: the
+    queue and request table are only ever written through masked scatters, never selected whole.
+    """
+    n = trace.prompt.shape[0]
+    pos = jnp.arange(num_slots, dtype=i32)
+    count = jnp.sum(preempted, dtype=i32)
+    head = (state.queue_head - count) % n
+    queue = _set_where(state.queue, (head + pos - end) % n, slots.req, preempted)
+    last_hi, last_lo = _df_add(state.clock_hi, state.clock_lo, -slots.gap)
+    req = state.requests
+    req = replace(req,
+        generated=_set_where(req.generated, slots.req, slots.generated, preempted),
+        preemptions=req.preemptions.at[jnp.where(preempted, slots.req, n)].add(1, mode="drop"),
+        max_gap=_set_where(req.max_gap, slots.req, slots.max_gap, preempted),
+        sum_sq_gap=_set_where(req.sum_sq_gap, slots.req, slots.sum_sq_gap, preempted),
+        last_emit_hi=_set_where(req.last_emit_hi, slots.req, last_hi, preempted),
+        last_emit_lo=_set_where(req.last_emit_lo, slots.req, last_lo, preempted),
+    )
+    return replace(state,
+        queue=queue, queue_head=head, queue_len=state.queue_len + count, requests=req)
+
+
+def _waiting_pass(trace, params, state, slots, budget_left, free, allowed, num_slots):
+    """Continuous batching admits from the queue front while seats, budget and blocks allow."""
+    rows, valid = _queue_front(trace, state, num_slots)
+    k = jnp.arange(num_slots, dtype=i32)
+    need = rows.prompt + rows.generated
+    tokens, fits_budget = _take_from_budget(jnp.where(valid, need, 0), budget_left, params)
+    blocks = _ceil_div(need, params.block_size)
+    fits_blocks = free - jnp.cumsum(jnp.where(valid, blocks, 0)) >= params.watermark_blocks
+    seats = (state.num_running + k < params.max_num_seqs) & (state.num_running + k < num_slots)
+    admit = _prefix_and(valid & seats & fits_budget & fits_blocks) & allowed
+    count = jnp.sum(admit, dtype=i32)
+    rows = replace(rows, blocks=blocks)
+    slots = _place_admitted(slots, state.num_running, count, rows)
+    pos = jnp.arange(num_slots, dtype=i32)
+    admitted_tokens = jnp.where((pos >= state.num_running) & (pos < state.num_running + count),
+                                tokens[jnp.clip(pos - state.num_running, 0, num_slots - 1)], 0)
+    state = replace(state,
+        queue_head=(state.queue_head + count) % trace.prompt.shape[0],
+        queue_len=state.queue_len - count,
+    )
+    return state, slots, admitted_tokens, count, free - jnp.sum(jnp.where(admit, blocks, 0))
+
+
+# ---------------------------------------------------------------------------------------------
+# Executing scheduled steps
+# ---------------------------------------------------------------------------------------------
+def _batch_summary(slots: Slots, tokens, decode_steps_ahead):
+    """The StepBatch of a step and of the identical decode steps that may follow it."""
+    scheduled = tokens > 0
+    is_decode = scheduled & (tokens == 1) & (slots.generated >= 1)
+    is_prefill = scheduled & ~is_decode
+    c = slots.computed.astype(f32)
+    q = tokens.astype(f32)
+    num_decode = jnp.sum(is_decode).astype(f32)
+    return StepBatch(
+        num_prefill_seqs=jnp.sum(is_prefill).astype(f32),
+        prefill_tokens=jnp.sum(jnp.where(is_prefill, q, 0.0)),
+        prefill_context_tokens=jnp.sum(jnp.where(is_prefill, c + q, 0.0)),
+        prefill_attention_pairs=jnp.sum(jnp.where(is_prefill, q * (c + q / 2), 0.0)),
+        num_decode_seqs=num_decode,
+        decode_context_tokens=jnp.sum(jnp.where(is_decode, c + 1, 0.0)) + decode_steps_ahead * num_decode,
+    ), is_decode
+
+
+def _advance(trace, params, state, slots, tokens, admitted_any, cost_fn, num_slots):
+    """Run the scheduled step, and the identical decode steps after it that precede any event.
+
+    With nothing scheduled (all `tokens` zero) it writes nothing to the request table or histogram.
+    """
+    pos = jnp.arange(num_slots, dtype=i32)
+    running = pos < state.num_running
+    scheduled = tokens > 0
+    ahead = jnp.arange(LOOKAHEAD_STEPS, dtype=f32)
+    batch, is_decode = _batch_summary(slots, tokens, ahead)
+    durations = jnp.broadcast_to(cost_fn(params.cost, batch), ahead.shape).astype(f32)
+    starts = _exclusive_cumsum(durations)
+
+    # How many steps repeat the first one before an event: only an all-decode step can repeat.
+    all_decode = jnp.all(is_decode == scheduled) & ~admitted_any
+    remaining = jnp.min(jnp.where(is_decode, slots.output - slots.generated, NO_LIMIT))
+    n = trace.prompt.shape[0]
+    nxt = jnp.minimum(state.next_arrival, n - 1)
+    to_arrival = jnp.where(
+        state.next_arrival < n,
+        _df_sub(trace.arrival_hi[nxt], trace.arrival_lo[nxt], state.clock_hi, state.clock_lo), jnp.inf)
+    to_horizon = _df_sub(params.horizon_hi, params.horizon_lo, state.clock_hi, state.clock_lo)
+    j = jnp.arange(LOOKAHEAD_STEPS, dtype=i32)
+    # Step j of the run (j >= 1) needs blocks for computed + j + 1 tokens per decode.
+    grow = jnp.maximum(_ceil_div(slots.computed[None, :] + j[:, None] + 1, params.block_size) - slots.blocks[None, :], 0)
+    new_blocks = jnp.sum(jnp.where(is_decode[None, :], grow, 0), axis=1)
+    repeatable = (
+        (j == 0)
+        | (all_decode & (j < remaining) & (starts < to_arrival) & (starts < to_horizon)
+           & (new_blocks <= state.free_blocks))
+    )
+    run = _prefix_and(repeatable)
+    k = jnp.sum(run, dtype=i32)
+    total = jnp.sum(jnp.where(run, durations, 0.0))
+    end_hi, end_lo = _df_add(state.clock_hi, state.clock_lo, total)
+
+    # Token emission: a request whose computed tokens reach its length emits; a repeated decode emits
+    # once per step.
+    emits = scheduled & (slots.computed + tokens == slots.prompt + slots.generated)
+    emitted = jnp.where(emits, k, 0)
+    had_token = slots.generated >= 1
+    first_gap = slots.gap + durations[0]
+    later = (j >= 1) & run
+    later_max = jnp.max(jnp.where(later, durations, 0.0))
+    later_sq = jnp.sum(jnp.where(later, durations * durations, 0.0))
+    counts_gap = emits & had_token
+    max_gap = jnp.where(counts_gap, jnp.maximum(slots.max_gap, first_gap), slots.max_gap)
+    max_gap = jnp.where(emits & (k > 1), jnp.maximum(max_gap, later_max), max_gap)
+    sum_sq = slots.sum_sq_gap + jnp.where(counts_gap, first_gap * first_gap, 0.0) + jnp.where(emits, later_sq, 0.0)
+    hist = state.itl_histogram.at[_itl_bin(first_gap)].add(counts_gap.astype(i32))
+    hist = hist.at[_itl_bin(durations)].add(jnp.where(later, jnp.sum(is_decode, dtype=i32), 0))
+
+    computed = slots.computed + jnp.where(scheduled, tokens + k - 1, 0)
+    generated = slots.generated + emitted
+    blocks = jnp.where(is_decode, jnp.maximum(slots.blocks, _ceil_div(computed, params.block_size)), slots.blocks)
+    finished = running & (generated >= slots.output)
+    gap = jnp.where(emits, 0.0, slots.gap + total)
+    slots = replace(slots,
+        computed=computed, generated=generated, blocks=blocks,
+        gap=gap, max_gap=max_gap, sum_sq_gap=sum_sq)
+
+    req = state.requests
+    arrival_hi, arrival_lo = trace.arrival_hi[slots.req], trace.arrival_lo[slots.req]
+    latency = _df_sub(end_hi, end_lo, arrival_hi, arrival_lo)
+    first_token = emits & ~had_token
+    req = replace(req,
+        ttft=_set_where(req.ttft, slots.req, latency, first_token),
+        e2el=_set_where(req.e2el, slots.req, latency, finished),
+        status=_set_where(req.status, slots.req, DONE, finished),
+        generated=_set_where(req.generated, slots.req, generated, finished),
+        max_gap=_set_where(req.max_gap, slots.req, max_gap, finished),
+        sum_sq_gap=_set_where(req.sum_sq_gap, slots.req, sum_sq, finished),
+    )
+
+    used_blocks = params.num_kv_blocks - state.free_blocks
+    kv_seconds = jnp.sum(jnp.where(run, (used_blocks + new_blocks).astype(f32) * durations, 0.0))
+    in_system = (state.queue_len + state.num_running).astype(f32) * total
+    freed = jnp.sum(jnp.where(finished, blocks, 0))
+    free = params.num_kv_blocks - jnp.sum(jnp.where(running, blocks, 0)) + freed
+
+    # Compact: drop finished requests, keep admission order.
+    keep = running & ~finished
+    target = jnp.where(keep, _exclusive_cumsum(keep.astype(i32)), num_slots)
+    slots = jax.tree_util.tree_map(lambda x: jnp.zeros_like(x).at[target].set(x, mode="drop"), slots)
+    return replace(state,
+        clock_hi=end_hi, clock_lo=end_lo,
+        slots=slots, num_running=jnp.sum(keep, dtype=i32),
+        free_blocks=free, requests=req,
+        steps=state.steps + k,
+        scheduled_seqs=state.scheduled_seqs + k * jnp.sum(scheduled, dtype=i32),
+        kv_block_seconds=state.kv_block_seconds + kv_seconds,
+        in_system_seconds=state.in_system_seconds + in_system,
+        itl_histogram=hist,
+    )
+
+
+def _idle(trace, params, state):
+    """Nothing to schedule: jump to the next arrival, static-batch timeout or horizon; or end."""
+    n = trace.prompt.shape[0]
+    nxt = jnp.minimum(state.next_arrival, n - 1)
+    candidates_hi = [trace.arrival_hi[nxt], params.horizon_hi]
+    candidates_lo = [trace.arrival_lo[nxt], params.horizon_lo]
+    exists = [state.next_arrival < n, jnp.asarray(False)]
+    front = state.queue[state.queue_head]
+    t_hi, t_lo = _df_add(trace.arrival_hi[front], trace.arrival_lo[front], params.max_wait_s)
+    candidates_hi.append(t_hi)
+    candidates_lo.append(t_lo)
+    exists.append(params.static_batching & (state.num_running == 0) & (state.queue_len > 0))
+    # The horizon bounds a jump to any other event; with no other event the run simply ends.
+    exists[1] = jnp.isfinite(params.horizon_hi) & (exists[0] | exists[2])
+    hi, lo, ok = jnp.stack(candidates_hi), jnp.stack(candidates_lo), jnp.stack(exists)
+    delta = jnp.where(ok, _df_sub(hi, lo, state.clock_hi, state.clock_lo), jnp.inf)
+    choice = jnp.argmin(delta)
+    any_event = jnp.any(ok)
+    jump = jnp.where(any_event, delta[choice], 0.0)
+    return replace(state,
+        clock_hi=jnp.where(any_event, hi[choice], state.clock_hi),
+        clock_lo=jnp.where(any_event, lo[choice], state.clock_lo),
+        in_system_seconds=state.in_system_seconds + state.queue_len.astype(f32) * jump,
+        ended=~any_event,
+    )
+
+
+# Fields of EngineState sized by the workload or the histogram. They are written only through masked
+# scatters; every other field is small and chosen between the step and idle outcomes with a select.
+_LARGE_FIELDS = ("queue", "requests", "itl_histogram")
+
+
+def _choose(pred, if_true: EngineState, if_false: EngineState) -> EngineState:
+    small = {
+        f: jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), getattr(if_true, f), getattr(if_false, f))
+        for f in if_true.__dataclass_fields__ if f not in _LARGE_FIELDS
+    }
+    return replace(if_true, **small)
+
+
+def _iteration(trace, params, state, cost_fn, num_slots):
+    state, more_due = _process_arrivals(trace, params, state)
+    past_horizon = _df_le(params.horizon_hi, params.horizon_lo, state.clock_hi, state.clock_lo)
+    active = ~more_due & ~past_horizon & ~state.ended
+
+    engine, formed = _form_static_batch(trace, params, state, num_slots)
+    slots, tokens, preempted, end, free = _running_pass(params, engine, num_slots)
+    preempted = preempted & active
+    tokens = jnp.where(active, tokens, 0)
+    engine = _requeue_preempted(trace, engine, slots, preempted, end, num_slots)
+    engine = replace(engine, num_running=end)
+    budget_left = params.max_num_batched_tokens - jnp.sum(tokens)
+    allowed = active & ~params.static_batching & ~jnp.any(preempted)
+    engine, slots, admitted_tokens, admitted, free = _waiting_pass(
+        trace, params, engine, slots, budget_left, free, allowed, num_slots)
+    engine = replace(engine, slots=slots, num_running=end + admitted, free_blocks=free)
+    tokens = tokens + admitted_tokens
+    changed_set = (formed > 0) | (admitted > 0) | jnp.any(preempted)
+
+    busy = jnp.any(tokens > 0)
+    stepped = _advance(trace, params, engine, slots, tokens, changed_set, cost_fn, num_slots)
+    idled = _idle(trace, params, state)
+    new = _choose(active, _choose(busy, stepped, idled), state)
+    return replace(new,
+        ended=new.ended | (~more_due & past_horizon),
+        iterations=state.iterations + (~state.ended).astype(i32),
+    )
+
+
+def _flush_running(state: EngineState) -> EngineState:
+    """Requests still running when the run stops keep what they emitted (they are unfinished)."""
+    s = state.slots
+    running = jnp.arange(s.req.shape[0]) < state.num_running
+    req = state.requests
+    req = replace(req,
+        generated=_set_where(req.generated, s.req, s.generated, running),
+        max_gap=_set_where(req.max_gap, s.req, s.max_gap, running),
+        sum_sq_gap=_set_where(req.sum_sq_gap, s.req, s.sum_sq_gap, running),
+    )
+    return replace(state, requests=req)
+
+
+def _live(state: EngineState, params: EngineParams):
+    return ~state.ended & (state.iterations < params.max_iterations)
+
+
+def run(trace: Trace, params: EngineParams, cost_fn: Callable, num_slots: int) -> EngineState:
+    """Simulate the whole workload; pure, so it can be jitted."""
+    state = init_state(trace, params, num_slots)
+    state = jax.lax.while_loop(
+        lambda s: _live(s, params),
+        lambda s: _iteration(trace, params, s, cost_fn, num_slots),
+        state,
+    )
+    return _flush_running(state)
+
+
+def run_batched(trace: Trace, params: EngineParams, cost_fn: Callable, num_slots: int) -> EngineState:
+    """Many configs (params with a leading axis) over one workload.
+
+    The loop runs while any config is live and only its body is vmapped. (vmapping the whole
+    while_loop would make JAX select the entire carry -- request table included -- per config on every
+    iteration.) An ended config's iteration writes nothing: `_iteration` gates every update on it.
+    """
+    state = jax.vmap(lambda p: init_state(trace, p, num_slots))(params)
+    one = lambda p, s: replace(_iteration(trace, p, s, cost_fn, num_slots),
+                               ended=s.ended | ~_live(s, p))
+    state = jax.lax.while_loop(
+        lambda s: jnp.any(jax.vmap(_live)(s, params)),
+        lambda s: jax.vmap(one)(params, s),
+        state,
+    )
+    return jax.vmap(_flush_running)(state)
+
+
+@partial(jax.jit, static_argnames=("cost_fn", "num_slots"))
+def run_jit(trace, params, cost_fn, num_slots):
+    return run(trace, params, cost_fn, num_slots)
+
+
+@partial(jax.jit, static_argnames=("cost_fn", "num_slots"))
+def run_many(trace, params, cost_fn, num_slots):
+    return run_batched(trace, params, cost_fn, num_slots)
