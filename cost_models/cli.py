@@ -1,0 +1,235 @@
+"""The cost-model subcommands: ``cost``, ``memory``, ``calibrate``, ``models``, ``gpus``.
+
+``register(subparsers)`` adds them to the main ``servetune`` parser; each handler takes the parsed
+arguments and returns the exit code. User mistakes raise ``UserError`` for the main CLI to print.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import jax.numpy as jnp
+from rich.console import Console
+from rich.table import Table
+
+from servetune.config import HardwareConfig, SchedulerConfig
+from servetune.cost_models.calibrate import calibrate
+from servetune.cost_models.catalog import resolve_gpu, resolve_model
+from servetune.cost_models.gpus import GIB, GPUS
+from servetune.cost_models.memory import kv_capacity
+from servetune.cost_models.models import MODELS
+from servetune.cost_models.profile import find_profile, load_profile, write_profile
+from servetune.cost_models.roofline import Calibration, build_roofline_params, step_costs
+from servetune.errors import UserError
+from servetune.types import StepBatch
+
+DEFAULT_MODEL = "llama-2-7b"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    cost = subparsers.add_parser("cost", help="time one engine step with the roofline model, with its breakdown")
+    _add_model_and_gpu(cost)
+    cost.add_argument("--decode-batch", type=int, default=0, help="decoding requests in the step (default 0)")
+    cost.add_argument("--context", type=int, default=1024,
+                      help="tokens already in each decoding request's KV cache (default 1024)")
+    cost.add_argument("--prefill-tokens", type=int, default=0,
+                      help="tokens of one new prompt prefilled in the step (default 0)")
+    cost.add_argument("--profile", help="a calibrated profile (JSON) instead of the default efficiencies")
+    cost.add_argument("--json", action="store_true", help="print one JSON object")
+    cost.set_defaults(func=run_cost)
+
+    memory = subparsers.add_parser("memory", help="KV-cache capacity as vLLM sizes it")
+    _add_model_and_gpu(memory)
+    scheduler = SchedulerConfig()
+    memory.add_argument("--gpu-memory-utilization", type=float, default=HardwareConfig().gpu_memory_utilization,
+                        help="share of GPU memory the engine may use (default %(default)s)")
+    memory.add_argument("--block-size", type=int, default=scheduler.block_size,
+                        help="tokens per KV block (default %(default)s)")
+    memory.add_argument("--max-num-batched-tokens", type=int, default=scheduler.max_num_batched_tokens,
+                        help="token budget per step, sizes the activation reserve (default %(default)s)")
+    memory.add_argument("--max-num-seqs", type=int, default=scheduler.max_num_seqs,
+                        help="most running requests, sizes the sampler's reserve (default %(default)s)")
+    memory.add_argument("--json", action="store_true", help="print one JSON object")
+    memory.set_defaults(func=run_memory)
+
+    fit = subparsers.add_parser("calibrate", help="fit the roofline's efficiencies to measured GPU timings")
+    fit.add_argument("--profiles", nargs="+", default=[], type=Path, metavar="DIR",
+                     help="Vidur compute profile folders (each holding mlp.csv)")
+    fit.add_argument("--attention", type=Path, help="Vidur attention CSV")
+    fit.add_argument("--allreduce", type=Path, help="Vidur network all_reduce.csv")
+    fit.add_argument("--cpu-overheads", type=Path, help="Vidur cpu_overheads.csv")
+    fit.add_argument("--distserve", type=Path, help="DistServe profiler JSON (fitted step coefficients)")
+    fit.add_argument("--gpu", default="a100-80gb", help="the GPU the timings were measured on (default %(default)s)")
+    fit.add_argument("--step-tp", type=int, default=1,
+                     help="tensor parallelism of the whole steps assembled from the profiles (default %(default)s)")
+    fit.add_argument("--folds", type=int, default=5, help="k of the k-fold accuracy report (default %(default)s)")
+    fit.add_argument("--seed", type=int, default=0, help="seed of the fold assignment (default %(default)s)")
+    fit.add_argument("--out", type=Path, required=True, help="where to write the profile JSON")
+    fit.add_argument("--json", action="store_true", help="print the accuracy report as JSON")
+    fit.set_defaults(func=run_calibrate)
+
+    models = subparsers.add_parser("models", help="the model catalogue")
+    models.add_argument("--json", action="store_true", help="print JSON")
+    models.set_defaults(func=run_models)
+    gpus = subparsers.add_parser("gpus", help="the GPU catalogue")
+    gpus.add_argument("--json", action="store_true", help="print JSON")
+    gpus.set_defaults(func=run_gpus)
+
+
+def _add_model_and_gpu(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help="catalogue name or path of a Hugging Face config.json (default %(default)s)")
+    parser.add_argument("--gpu", default=HardwareConfig().gpu, help="catalogue GPU name (default %(default)s)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (default 1)")
+
+
+def _non_negative(name: str, value: int) -> None:
+    if value < 0:
+        raise UserError(f"{name} must be 0 or more, found {value}")
+
+
+def run_cost(args: argparse.Namespace) -> int:
+    for name in ("decode_batch", "context", "prefill_tokens"):
+        _non_negative("--" + name.replace("_", "-"), getattr(args, name))
+    if args.decode_batch == 0 and args.prefill_tokens == 0:
+        raise UserError("an empty step: give --decode-batch and/or --prefill-tokens")
+    model, gpu = resolve_model(args.model), resolve_gpu(args.gpu)
+    calibration = load_profile(find_profile(args.profile))[0] if args.profile else Calibration()
+    params = build_roofline_params(model, gpu, args.tp, calibration)
+    prefill = args.prefill_tokens
+    batch = StepBatch(*(jnp.float32(x) for x in (
+        1 if prefill else 0, prefill, prefill, prefill * prefill / 2,
+        args.decode_batch, args.decode_batch * (args.context + 1))))
+    costs = {name: float(value) for name, value in vars(step_costs(params, batch)).items()}
+    ms = {"matmul": costs["matmul_s"], "attention_prefill": costs["attention_prefill_s"],
+          "attention_decode": costs["attention_decode_s"], "elementwise": costs["elementwise_s"],
+          "communication": costs["communication_s"], "fixed_overheads": costs["overhead_s"]}
+    bound = "compute" if costs["compute_bound_s"] > costs["memory_bound_s"] else "memory"
+    result = {
+        "model": model.name, "gpu": gpu.name, "tp": args.tp,
+        "cost_model": "calibrated" if args.profile else "roofline",
+        "batch": {"decode_batch": args.decode_batch, "context": args.context, "prefill_tokens": prefill},
+        "step_time_ms": 1e3 * costs["total_s"],
+        "breakdown_ms": {name: 1e3 * value for name, value in ms.items()},
+        "work": {"weight_bytes": costs["weight_bytes"], "kv_bytes_read": costs["kv_bytes"],
+                 "activation_bytes": costs["activation_bytes"], "matmul_flops": costs["matmul_flops"],
+                 "attention_flops": costs["attention_flops"], "allreduce_bytes": costs["allreduce_bytes"]},
+        "bound": bound, "compute_bound_ms": 1e3 * costs["compute_bound_s"],
+        "memory_bound_ms": 1e3 * costs["memory_bound_s"],
+    }
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    work = result["work"]
+    table = Table(title=f"{model.name} on {gpu.name} × {args.tp}: one step of {args.decode_batch} decodes "
+                        f"(context {args.context}) + {prefill} prefill tokens")
+    table.add_column("part")
+    table.add_column("ms", justify="right")
+    table.add_column("work per GPU", justify="right")
+    rows = [("matmuls", ms["matmul"], f"{work['matmul_flops'] / 1e9:,.1f} GFLOP, "
+                                      f"{work['weight_bytes'] / 1e9:,.2f} GB weights read"),
+            ("attention: prefill", ms["attention_prefill"], ""),
+            ("attention: decode", ms["attention_decode"], f"{work['kv_bytes_read'] / 1e9:,.3f} GB KV read, "
+                                                          f"{work['attention_flops'] / 1e9:,.1f} GFLOP"),
+            ("element-wise", ms["elementwise"], f"{work['activation_bytes'] / 1e9:,.3f} GB activations"),
+            ("communication", ms["communication"], f"{work['allreduce_bytes'] / 1e9:,.3f} GB all-reduced"),
+            ("fixed overheads", ms["fixed_overheads"], "kernels, step, requests")]
+    for name, seconds, detail in rows:
+        table.add_row(name, f"{1e3 * seconds:.3f}", detail)
+    table.add_row("step", f"{result['step_time_ms']:.3f}", f"{bound}-bound", style="bold")
+    console = Console()
+    console.print(table)
+    console.print(f"compute side {result['compute_bound_ms']:.2f} ms vs memory side "
+                  f"{result['memory_bound_ms']:.2f} ms: the step is {bound}-bound")
+    return 0
+
+
+def run_memory(args: argparse.Namespace) -> int:
+    model, gpu = resolve_model(args.model), resolve_gpu(args.gpu)
+    capacity = kv_capacity(model, gpu, args.tp, args.gpu_memory_utilization, args.block_size,
+                           args.max_num_batched_tokens, args.max_num_seqs)
+    result = {"model": model.name, "gpu": gpu.name, "tp": args.tp,
+              "gpu_memory_utilization": args.gpu_memory_utilization, "gpu_memory_bytes": gpu.memory_bytes,
+              "weight_bytes_per_gpu": capacity.weight_bytes, "kv_bytes_per_token": capacity.kv_bytes_per_token,
+              "activation_reserve_bytes": capacity.activation_reserve_bytes,
+              "kv_cache_bytes": capacity.kv_cache_bytes, "block_size": capacity.block_size,
+              "num_kv_blocks": capacity.num_kv_blocks, "token_capacity": capacity.token_capacity}
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    table = Table(title=f"KV cache of {model.name} on {gpu.name} × {args.tp} "
+                        f"at gpu_memory_utilization {args.gpu_memory_utilization}")
+    table.add_column("per GPU")
+    table.add_column("value", justify="right")
+    table.add_row("memory × utilization", f"{capacity.usable_bytes / GIB:.2f} GiB")
+    table.add_row("weights", f"{capacity.weight_bytes / GIB:.2f} GiB")
+    table.add_row("activation reserve", f"{capacity.activation_reserve_bytes / GIB:.2f} GiB")
+    table.add_row("KV cache", f"{capacity.kv_cache_bytes / GIB:.2f} GiB")
+    table.add_row("KV bytes per token", f"{capacity.kv_bytes_per_token:,} B")
+    table.add_row("KV blocks", f"{capacity.num_kv_blocks:,} × {capacity.block_size} tokens", style="bold")
+    table.add_row("token capacity", f"{capacity.token_capacity:,}", style="bold")
+    Console().print(table)
+    return 0
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    if args.folds < 2:
+        raise UserError(f"--folds must be at least 2, found {args.folds}")
+    gpu = resolve_gpu(args.gpu)
+    console = Console(stderr=True)
+    result = calibrate(args.profiles, args.attention, args.allreduce, args.cpu_overheads, args.distserve, gpu,
+                       folds=args.folds, seed=args.seed, step_tp=args.step_tp, progress=console.print)
+    sources = {"profiles": [str(p) for p in args.profiles], "attention": _optional(args.attention),
+               "allreduce": _optional(args.allreduce), "cpu_overheads": _optional(args.cpu_overheads),
+               "distserve": _optional(args.distserve)}
+    write_profile(args.out, result.calibration, gpu.name, sources, result.report)
+    if args.json:
+        print(json.dumps({"profile": str(args.out), "calibration": result.calibration.as_floats(), **result.report}))
+        return 0
+    table = Table(title=f"held-out error ({args.folds}-fold by token count); profile written to {args.out}")
+    for column in ("data set", "rows", "MAPE %", "worst %", "uncalibrated MAPE %", "uncalibrated worst %"):
+        table.add_column(column, justify="left" if column == "data set" else "right", no_wrap=column == "data set")
+    for name, errors in result.report["datasets"].items():
+        fitted, default = errors["calibrated"], errors["uncalibrated"]
+        table.add_row(name, str(fitted["rows"]), f"{fitted['mape_pct']:.2f}", f"{fitted['worst_pct']:+.1f}",
+                      f"{default['mape_pct']:.2f}", f"{default['worst_pct']:+.1f}")
+    Console().print(table)
+    return 0
+
+
+def _optional(path):
+    return None if path is None else str(path)
+
+
+def run_models(args: argparse.Namespace) -> int:
+    rows = [{"name": m.name, "layers": m.num_layers, "hidden": m.hidden_size, "heads": m.num_heads,
+             "kv_heads": m.num_kv_heads, "head_dim": m.head_dim, "intermediate": m.intermediate_size,
+             "vocab": m.vocab_size, "gated_mlp": m.gated_mlp, "params_b": round(m.total_params / 1e9, 2),
+             "source": m.source} for m in MODELS.values()]
+    return _print_catalogue(args, rows, "models (--model also takes a config.json path; sources with --json)",
+                            ["name", "layers", "hidden", "heads", "kv_heads", "intermediate", "vocab", "params_b"])
+
+
+def run_gpus(args: argparse.Namespace) -> int:
+    rows = [{"name": g.name, "description": g.description, "bf16_tflops": g.peak_flops_per_s / 1e12,
+             "memory_gb_per_s": g.memory_bytes_per_s / 1e9, "memory_gib": g.memory_bytes / GIB,
+             "interconnect_gb_per_s": g.interconnect_bytes_per_s / 1e9, "interconnect": g.interconnect,
+             "source": g.source} for g in GPUS.values()]
+    return _print_catalogue(args, rows, "GPUs (dense BF16 tensor FLOP/s; sources in cost_models/gpus.py)",
+                            ["name", "bf16_tflops", "memory_gb_per_s", "memory_gib", "interconnect_gb_per_s"])
+
+
+def _print_catalogue(args: argparse.Namespace, rows: list[dict], title: str, columns: list[str]) -> int:
+    """All fields as JSON, or a table of the ``columns`` that fit a terminal."""
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    table = Table(title=title)
+    for column in columns:
+        table.add_column(column, justify="left" if isinstance(rows[0][column], str) else "right",
+                         no_wrap=column == "name")
+    for row in rows:
+        table.add_row(*(f"{row[c]:g}" if isinstance(row[c], float) else str(row[c]) for c in columns))
+    Console().print(table)
+    return 0

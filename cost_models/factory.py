@@ -1,0 +1,51 @@
+"""From a simulation config to what the simulator needs: the step-time function with its parameters, and the
+KV-cache size when the config leaves ``scheduler.num_kv_blocks`` out."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import jax.numpy as jnp
+
+from servetune.config import Config
+from servetune.cost_models import linear, roofline
+from servetune.cost_models.catalog import resolve_gpu, resolve_model
+from servetune.cost_models.memory import kv_capacity
+from servetune.cost_models.profile import find_profile, load_profile
+from servetune.errors import ConfigError
+
+
+def _config_dir(config: Config) -> Optional[Path]:
+    """The folder of the config file, against which its relative paths are read."""
+    if config.source is None:
+        return None
+    source = Path(config.source)
+    return source.parent if source.is_file() else None
+
+
+def build_cost_model(config: Config) -> tuple[Callable, Any]:
+    """``(step_time_s, params)`` for ``config.cost_model.kind``; params are a pytree of float32 arrays, so
+    configs of one kind can be stacked and vmapped."""
+    cost = config.cost_model
+    if cost.kind == "linear":
+        params = linear.LinearCostParams(base_s=jnp.float32(cost.base_s), per_token_s=jnp.float32(cost.per_token_s),
+                                         per_context_token_s=jnp.float32(cost.per_context_token_s))
+        return linear.step_time_s, params
+    base_dir = _config_dir(config)
+    if cost.kind == "roofline":
+        calibration = roofline.Calibration()
+    elif cost.kind == "calibrated":
+        calibration, _ = load_profile(find_profile(cost.profile, base_dir))
+    else:
+        raise ConfigError(f"cost_model.kind: got {cost.kind!r}, expected linear, roofline or calibrated")
+    model = resolve_model(config.model, base_dir)
+    gpu = resolve_gpu(config.hardware.gpu)
+    return roofline.step_time_s, roofline.build_roofline_params(model, gpu, config.hardware.tp, calibration)
+
+
+def derive_num_kv_blocks(config: Config) -> int:
+    """KV blocks per GPU as vLLM would size them for this model, GPU, TP, memory share and batch limits."""
+    capacity = kv_capacity(resolve_model(config.model, _config_dir(config)), resolve_gpu(config.hardware.gpu),
+                           config.hardware.tp, config.hardware.gpu_memory_utilization, config.scheduler.block_size,
+                           config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs)
+    return capacity.num_kv_blocks

@@ -1,0 +1,84 @@
+"""The GPU catalogue: what the roofline needs to know about each accelerator, with the source of each number.
+
+Peak FLOP/s are the *dense* BF16/FP16 tensor-core figures (the datasheets print the 2:4-sparsity figure
+first; dense is half of it). Memory sizes are the datasheet GB taken as GiB, because HBM and GDDR come
+in binary capacities; the driver keeps a few hundred MiB of that, which the KV-capacity reserve covers.
+Interconnect is the per-GPU *bidirectional* bandwidth the datasheet quotes (NVLink where the board has it
+on every GPU, otherwise the PCIe slot); one direction carries half of it.
+
+Sources (NVIDIA datasheets unless noted):
+  [A100]  NVIDIA A100 Tensor Core GPU datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf):
+          BF16 312 TFLOPS dense (624 sparse); 40GB HBM2 1,555 GB/s (SXM and PCIe); 80GB HBM2e 2,039 GB/s
+          (SXM) / 1,935 GB/s (PCIe); NVLink 600 GB/s (SXM); PCIe Gen4 64 GB/s (PCIe cards).
+  [H100]  NVIDIA H100 Tensor Core GPU datasheet: SXM BF16 1,979 TFLOPS sparse (989 dense), 80GB HBM3
+          3.35 TB/s, NVLink 900 GB/s; PCIe BF16 1,513 sparse (756 dense), 80GB HBM2e 2.0 TB/s, PCIe Gen5 128 GB/s.
+  [H200]  NVIDIA H200 Tensor Core GPU datasheet: SXM BF16 1,979 TFLOPS sparse (989 dense), 141GB HBM3e
+          4.8 TB/s, NVLink 900 GB/s.
+  [L40S]  NVIDIA L40S datasheet: BF16 362.05 TFLOPS dense (733 sparse), 48GB GDDR6 864 GB/s, PCIe Gen4
+          x16 64 GB/s bidirectional, no NVLink.
+  [L4]    NVIDIA L4 Tensor Core GPU datasheet: BF16 242 TFLOPS sparse (121 dense), 24GB GDDR6 300 GB/s,
+          PCIe Gen4 x16 64 GB/s.
+  [A10G]  AWS publishes no datasheet for its A10G (EC2 G5); Baseten, "NVIDIA A10 vs A10G for ML model
+          inference" (baseten.co/blog/nvidia-a10-vs-a10g-for-ml-model-inference): BF16/FP16 tensor
+          70 TFLOPS dense, 24GB GDDR6 600 GB/s; PCIe Gen4 x16 64 GB/s.
+  [A40]   NVIDIA A40 datasheet: BF16 149.7 TFLOPS dense (299.4 sparse), 48GB GDDR6 696 GB/s, PCIe Gen4
+          64 GB/s (NVLink bridge 112.5 GB/s joins only pairs, so PCIe is the general case).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = 2**30
+TERA = 1e12
+GIGA = 1e9
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    name: str
+    description: str
+    peak_flops_per_s: float          # dense BF16/FP16 tensor-core FLOP/s
+    memory_bytes_per_s: float        # HBM/GDDR bandwidth
+    memory_bytes: float              # device memory
+    interconnect_bytes_per_s: float  # per-GPU bidirectional link bandwidth used by tensor parallelism
+    interconnect: str
+    source: str
+
+
+GPUS: dict[str, GpuSpec] = {
+    spec.name: spec
+    for spec in [
+        GpuSpec("a100-40gb", "A100 SXM4 40GB", 312 * TERA, 1555 * GIGA, 40 * GIB, 600 * GIGA, "NVLink 3", "[A100]"),
+        GpuSpec("a100-80gb", "A100 SXM4 80GB", 312 * TERA, 2039 * GIGA, 80 * GIB, 600 * GIGA, "NVLink 3", "[A100]"),
+        GpuSpec("a100-40gb-pcie", "A100 PCIe 40GB", 312 * TERA, 1555 * GIGA, 40 * GIB, 64 * GIGA, "PCIe Gen4 x16",
+                "[A100]"),
+        GpuSpec("a100-80gb-pcie", "A100 PCIe 80GB", 312 * TERA, 1935 * GIGA, 80 * GIB, 64 * GIGA, "PCIe Gen4 x16",
+                "[A100]"),
+        GpuSpec("h100-80gb", "H100 SXM5 80GB", 989 * TERA, 3350 * GIGA, 80 * GIB, 900 * GIGA, "NVLink 4", "[H100]"),
+        GpuSpec("h100-80gb-pcie", "H100 PCIe 80GB", 756 * TERA, 2000 * GIGA, 80 * GIB, 128 * GIGA, "PCIe Gen5 x16",
+                "[H100]"),
+        GpuSpec("h200", "H200 SXM 141GB", 989 * TERA, 4800 * GIGA, 141 * GIB, 900 * GIGA, "NVLink 4", "[H200]"),
+        GpuSpec("l40s", "L40S 48GB", 362.05 * TERA, 864 * GIGA, 48 * GIB, 64 * GIGA, "PCIe Gen4 x16", "[L40S]"),
+        GpuSpec("l4", "L4 24GB", 121 * TERA, 300 * GIGA, 24 * GIB, 64 * GIGA, "PCIe Gen4 x16", "[L4]"),
+        GpuSpec("a10g", "A10G 24GB (AWS G5)", 70 * TERA, 600 * GIGA, 24 * GIB, 64 * GIGA, "PCIe Gen4 x16", "[A10G]"),
+        GpuSpec("a40", "A40 48GB", 149.7 * TERA, 696 * GIGA, 48 * GIB, 64 * GIGA, "PCIe Gen4 x16", "[A40]"),
+    ]
+}
+
+# Other spellings people use for the same boards.
+GPU_ALIASES: dict[str, str] = {
+    "a100": "a100-80gb",
+    "a100-sxm": "a100-80gb",
+    "a100-80gb-sxm": "a100-80gb",
+    "a100-sxm4-80gb": "a100-80gb",
+    "a100-40gb-sxm": "a100-40gb",
+    "a100-sxm4-40gb": "a100-40gb",
+    "a100-pcie": "a100-80gb-pcie",
+    "h100": "h100-80gb",
+    "h100-sxm": "h100-80gb",
+    "h100-80gb-sxm": "h100-80gb",
+    "h100-sxm5-80gb": "h100-80gb",
+    "h100-pcie": "h100-80gb-pcie",
+    "h200-141gb": "h200",
+    "h200-sxm": "h200",
+}

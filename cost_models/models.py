@@ -1,0 +1,129 @@
+"""The model catalogue: transformer shapes that fix a model's weights, FLOPs and KV-cache size.
+
+Every entry is copied from the model's Hugging Face ``config.json`` (repository named in ``source``):
+``num_hidden_layers``, ``hidden_size``, ``num_attention_heads``, ``num_key_value_heads`` (absent = same as
+heads), ``intermediate_size`` (OPT: ``ffn_dim``), ``vocab_size``, ``tie_word_embeddings``, and the MLP
+kind (SiLU-gated for Llama/Mistral/Qwen/InternLM, plain two-matrix for OPT and phi-2).
+
+Parameter counts leave out biases, norms and OPT's learned position table: each is under 0.1% of the
+weights. Look names up with ``catalog.resolve_model``, which also reads a ``config.json`` (see ``hf_config``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from servetune.errors import UserError
+
+# vLLM serves these checkpoints in BF16/FP16 (an FP32 checkpoint is cast down), 2 bytes per value.
+DTYPE_BYTES = 2
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    gated_mlp: bool          # gate and up projections (SwiGLU): three MLP matrices instead of two
+    tied_embeddings: bool    # the LM head reuses the input embedding matrix
+    source: str
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def mlp_matrices(self) -> int:
+        return 3 if self.gated_mlp else 2
+
+    @property
+    def layer_params(self) -> int:
+        attention = self.hidden_size * (self.q_dim + 2 * self.kv_dim) + self.q_dim * self.hidden_size
+        return attention + self.mlp_matrices * self.hidden_size * self.intermediate_size
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def total_params(self) -> int:
+        lm_head = 0 if self.tied_embeddings else self.embedding_params
+        return self.num_layers * self.layer_params + self.embedding_params + lm_head
+
+
+def _hf(repo: str) -> str:
+    return f"huggingface.co/{repo}/blob/main/config.json"
+
+
+def _spec(name, repo, layers, hidden, heads, kv_heads, intermediate, vocab, gated=True, tied=False) -> ModelSpec:
+    return ModelSpec(name, layers, hidden, heads, kv_heads, hidden // heads, intermediate, vocab, gated, tied,
+                     _hf(repo))
+
+
+MODELS: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in [
+        _spec("llama-2-7b", "meta-llama/Llama-2-7b-hf", 32, 4096, 32, 32, 11008, 32000),
+        _spec("llama-2-13b", "meta-llama/Llama-2-13b-hf", 40, 5120, 40, 40, 13824, 32000),
+        _spec("llama-2-70b", "meta-llama/Llama-2-70b-hf", 80, 8192, 64, 8, 28672, 32000),
+        _spec("llama-3-8b", "meta-llama/Meta-Llama-3-8B", 32, 4096, 32, 8, 14336, 128256),
+        _spec("llama-3.1-8b", "meta-llama/Llama-3.1-8B", 32, 4096, 32, 8, 14336, 128256),
+        _spec("llama-3-70b", "meta-llama/Meta-Llama-3-70B", 80, 8192, 64, 8, 28672, 128256),
+        _spec("llama-3.1-70b", "meta-llama/Llama-3.1-70B", 80, 8192, 64, 8, 28672, 128256),
+        _spec("mistral-7b", "mistralai/Mistral-7B-v0.1", 32, 4096, 32, 8, 14336, 32000),
+        _spec("qwen2.5-7b", "Qwen/Qwen2.5-7B", 28, 3584, 28, 4, 18944, 152064),
+        _spec("qwen2.5-14b", "Qwen/Qwen2.5-14B", 48, 5120, 40, 8, 13824, 152064),
+        _spec("qwen2.5-32b", "Qwen/Qwen2.5-32B", 64, 5120, 40, 8, 27648, 152064),
+        _spec("qwen2.5-72b", "Qwen/Qwen2.5-72B", 80, 8192, 64, 8, 29568, 152064),
+        _spec("codellama-34b", "codellama/CodeLlama-34b-hf", 48, 8192, 64, 8, 22016, 32000),
+        _spec("internlm-20b", "internlm/internlm-20b", 60, 5120, 40, 40, 13824, 103168),
+        _spec("phi-2", "microsoft/phi-2", 32, 2560, 32, 32, 10240, 51200, gated=False),
+        _spec("opt-13b", "facebook/opt-13b", 40, 5120, 40, 40, 20480, 50272, gated=False, tied=True),
+        _spec("opt-66b", "facebook/opt-66b", 64, 9216, 72, 72, 36864, 50272, gated=False, tied=True),
+    ]
+}
+
+# Hugging Face repository names normalise to these; fine-tuned variants share their base model's shapes.
+MODEL_ALIASES: dict[str, str] = {
+    "meta-llama-3-8b": "llama-3-8b",
+    "meta-llama-3.1-8b": "llama-3.1-8b",
+    "meta-llama-3-70b": "llama-3-70b",
+    "meta-llama-3.1-70b": "llama-3.1-70b",
+    "mistral-7b-v0.1": "mistral-7b",
+    "codellama-34b-instruct": "codellama-34b",
+    "llama-2-7b-chat": "llama-2-7b",
+    "llama-2-13b-chat": "llama-2-13b",
+    "llama-2-70b-chat": "llama-2-70b",
+    "meta-llama-3-8b-instruct": "llama-3-8b",
+    "meta-llama-3-70b-instruct": "llama-3-70b",
+    "llama-3.1-8b-instruct": "llama-3.1-8b",
+    "llama-3.1-70b-instruct": "llama-3.1-70b",
+    "qwen2.5-7b-instruct": "qwen2.5-7b",
+    "qwen2.5-14b-instruct": "qwen2.5-14b",
+    "qwen2.5-32b-instruct": "qwen2.5-32b",
+    "qwen2.5-72b-instruct": "qwen2.5-72b",
+}
+
+
+def heads_per_gpu(model: ModelSpec, tp: int) -> tuple[int, int]:
+    """Query and key/value heads each GPU holds under tensor parallelism ``tp``, as vLLM shards them:
+    query heads split evenly; key/value heads split when there are at least ``tp`` of them, otherwise
+    each is replicated so that every GPU holds one.
+    """
+    if tp < 1:
+        raise UserError(f"tensor parallelism must be at least 1, found {tp}")
+    if model.num_heads % tp:
+        raise UserError(f"{model.name}: {model.num_heads} attention heads do not split over tp={tp} GPUs")
+    if model.num_kv_heads >= tp and model.num_kv_heads % tp:
+        raise UserError(f"{model.name}: {model.num_kv_heads} key/value heads do not split over tp={tp} GPUs")
+    if model.num_kv_heads < tp and tp % model.num_kv_heads:
+        raise UserError(f"{model.name}: {model.num_kv_heads} key/value heads cannot be replicated over tp={tp} GPUs")
+    return model.num_heads // tp, max(model.num_kv_heads // tp, 1)
