@@ -7,6 +7,7 @@ workload in one vmapped, jitted call (what search uses to evaluate trials in bat
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -140,3 +141,16 @@ def simulate_many(workload: Workload, schedulers: Sequence[SchedulerConfig], cos
         outcome_from_state(workload, jax.tree_util.tree_map(lambda x: x[i], states), horizon_s)
         for i in range(len(schedulers))
     ]
+
+
+def simulate_timed(workload: Workload, scheduler: SchedulerConfig, cost_fn: Callable, cost_params: Any,
+                   horizon_s: Optional[float] = None) -> tuple[SimulationOutcome, float, float]:
+    """Like simulate_workload, also returning (compile seconds, simulate seconds) measured apart."""
+    params = engine_params(scheduler, cost_params, horizon_s, iteration_guard(workload))
+    trace = device_trace(workload)
+    start = time.perf_counter()
+    compiled = engine.run_jit.lower(trace, params, cost_fn, num_slots_for([scheduler])).compile()
+    compiled_at = time.perf_counter()
+    state = jax.block_until_ready(compiled(trace, params))
+    finished_at = time.perf_counter()
+    return outcome_from_state(workload, jax.device_get(state), horizon_s), compiled_at - start, finished_at - compiled_at

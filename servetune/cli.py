@@ -1,0 +1,128 @@
+"""The ``servetune`` command line."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+from servetune.config_loader import load_config
+from servetune.cost_models import cli as cost_cli
+from servetune.errors import UserError
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except UserError as error:
+        print(f"servetune: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("servetune: interrupted", file=sys.stderr)
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="servetune",
+        description="Simulate an LLM server's batch scheduler and find the policy that maximises goodput.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    simulate = sub.add_parser("simulate", help="run one workload through the scheduler and report vLLM-style metrics")
+    simulate.add_argument("config", help="YAML config (see examples/)")
+    simulate.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                          help="override a config field, e.g. --set scheduler.max_num_seqs=32 (repeatable)")
+    simulate.add_argument("--out", type=Path, help="write the metrics, timing and resolved config as JSON")
+    simulate.add_argument("--requests-out", type=Path, help="write one CSV row per request")
+    simulate.set_defaults(func=run_simulate)
+
+    cost_cli.register(sub)
+    return parser
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    # Imported here so that `servetune --help` and the cost commands do not pay for JAX tracing setup.
+    from servetune.envs.metrics import write_requests_csv
+    from servetune.pipeline import simulate_config
+
+    config = load_config(args.config, args.overrides)
+    report = simulate_config(config)
+    console = Console()
+    _print_report(console, args.config, report)
+    if args.out:
+        document = {**report.metrics, "timing": report.timing, "workload": report.workload.description,
+                    "config": report.config.to_dict()}
+        args.out.write_text(json.dumps(document, indent=2) + "\n")
+        console.print(f"wrote {args.out}")
+    if args.requests_out:
+        write_requests_csv(args.requests_out, report.workload, report.outcome)
+        console.print(f"wrote {args.requests_out}")
+    if report.outcome.totals.truncated:
+        print("servetune: warning: the run hit the engine's iteration guard and stopped early; "
+              "this is a bug, please report it with the config", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _ms(value: Optional[float]) -> str:
+    return "—" if value is None else f"{value:,.1f}"
+
+
+def _print_report(console: Console, source: str, report) -> None:
+    m, config = report.metrics, report.config
+    console.print(f"[bold]{source}[/bold]: {report.workload.description}; {config.model} on "
+                  f"{config.hardware.gpu} ×{config.hardware.tp}, {config.cost_model.kind} cost model, "
+                  f"{config.scheduler.policy} batching")
+
+    latency = Table(title="latency (ms)", title_justify="left")
+    latency.add_column("")
+    for stat in ("mean", "median", "p90", "p99"):
+        latency.add_column(stat, justify="right")
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        latency.add_row(name.upper(), *(_ms(m[f"{stat}_{name}_ms"]) for stat in ("mean", "median", "p90", "p99")))
+    console.print(latency)
+
+    slo = config.slo
+    limits = [f"{key} ≤ {getattr(slo, key + '_ms'):g} ms" for key in ("ttft", "tpot", "itl", "e2el")
+              if getattr(slo, key + "_ms") is not None]
+    attainment = m["slo_attainment"]
+    verdict = ""
+    if attainment is not None:
+        met = attainment >= slo.attainment_target
+        verdict = f" — {'[green]meets' if met else '[red]misses'} the {slo.attainment_target:.0%} target[/]"
+    rate = lambda v: "—" if v is None else f"{v:,.2f}"  # noqa: E731
+    reasons = ", ".join(f"{k} {v}" for k, v in m["rejected_by_reason"].items() if v)
+    summary = Table(show_header=False, box=None, pad_edge=False)
+    summary.add_column(style="bold")
+    summary.add_column()
+    summary.add_row("throughput", f"{rate(m['request_throughput'])} req/s, {rate(m['output_throughput'])} output tok/s, "
+                                  f"{rate(m['total_token_throughput'])} total tok/s")
+    summary.add_row("goodput", f"{rate(m['request_goodput'])} req/s within {', '.join(limits) or 'no SLO'}")
+    summary.add_row("SLO attainment", ("—" if attainment is None else f"{attainment:.1%}") + verdict)
+    summary.add_row("requests", f"{m['arrived']} arrived = {m['completed']} completed + {m['rejected']} rejected"
+                                f"{f' ({reasons})' if reasons else ''} + {m['unfinished']} unfinished")
+    summary.add_row("engine", f"{m['preemptions']} preemptions, mean batch {_num(m['mean_batch_size'])}, "
+                              f"KV occupancy {_pct(m['mean_kv_utilization'])} of {config.scheduler.num_kv_blocks:,} "
+                              f"blocks, {m['engine_steps']:,} steps over {m['duration_s']:,.1f} s")
+    t = report.timing
+    summary.add_row("wall time", f"load {t['load_s']:.2f} s, compile {t['compile_s']:.2f} s, "
+                                 f"simulate {t['simulate_s']:.2f} s")
+    console.print(summary)
+
+
+def _num(value: Optional[float]) -> str:
+    return "—" if value is None else f"{value:.1f}"
+
+
+def _pct(value: Optional[float]) -> str:
+    return "—" if value is None else f"{value:.1%}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
