@@ -1,0 +1,142 @@
+"""`servetune simulate` end to end: the files it writes, and how it answers bad input."""
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from servetune.cli import main
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+VLLM_KEYS = ["completed", "request_throughput", "output_throughput", "total_token_throughput", "request_goodput"] + [
+    f"{stat}_{name}_ms" for stat in ("mean", "median", "std", "p90", "p99") for name in ("ttft", "tpot", "itl", "e2el")
+]
+SERVETUNE_KEYS = ["rejected", "unfinished", "slo_attainment", "preemptions", "mean_batch_size",
+                  "mean_kv_utilization", "duration_s", "timing", "config"]
+
+
+@pytest.fixture(scope="module")
+def chat_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("chat")
+    # A loaded chat server with a small KV cache and a queue limit, so rejections and preemptions happen.
+    code = main(["simulate", str(EXAMPLES / "chat.yaml"),
+                 "--set", "workload.num_requests=400", "--set", "workload.arrivals.rate=20",
+                 "--set", "scheduler.num_kv_blocks=400", "--set", "scheduler.max_num_queued_reqs=30",
+                 "--out", str(out / "run.json"), "--requests-out", str(out / "requests.csv")])
+    assert code == 0
+    run = json.loads((out / "run.json").read_text())
+    with open(out / "requests.csv") as f:
+        rows = list(csv.DictReader(f))
+    return run, rows
+
+
+def test_run_json_has_vllm_and_servetune_keys(chat_run):
+    run, _ = chat_run
+    missing = [k for k in VLLM_KEYS + SERVETUNE_KEYS if k not in run]
+    assert not missing
+    assert set(run["timing"]) == {"load_s", "compile_s", "simulate_s"}
+    assert run["config"]["scheduler"]["num_kv_blocks"] == 400  # the overrides reached the resolved config
+    assert run["config"]["workload"]["arrivals"]["rate"] == 20
+
+
+def test_every_request_is_accounted_for(chat_run):
+    run, rows = chat_run
+    statuses = [r["status"] for r in rows]
+    assert len(rows) == 400
+    assert statuses.count("completed") == run["completed"]
+    assert statuses.count("rejected") == run["rejected"] > 0
+    assert run["completed"] + run["rejected"] + run["unfinished"] == run["arrived"] == 400
+    assert run["preemptions"] == sum(int(r["preemptions"]) for r in rows) > 0
+
+
+def test_run_json_latencies_match_the_per_request_rows(chat_run):
+    """The summary statistics are the vLLM definitions applied to the per-request times."""
+    run, rows = chat_run
+    done = [r for r in rows if r["status"] == "completed"]
+    arrival = np.array([float(r["arrival_s"]) for r in done])
+    first = np.array([float(r["first_token_s"]) for r in done])
+    finish = np.array([float(r["finish_s"]) for r in done])
+    out = np.array([int(r["output_tokens"]) for r in done])
+    ttft_ms, e2el_ms = (first - arrival) * 1e3, (finish - arrival) * 1e3
+    tpot_ms = ((finish - first) / (out - 1))[out > 1] * 1e3
+    # The CSV rounds times to the microsecond.
+    assert run["mean_ttft_ms"] == pytest.approx(ttft_ms.mean(), abs=2e-3)
+    assert run["p99_ttft_ms"] == pytest.approx(np.percentile(ttft_ms, 99), abs=2e-3)
+    assert run["median_e2el_ms"] == pytest.approx(np.median(e2el_ms), abs=2e-3)
+    assert run["mean_tpot_ms"] == pytest.approx(tpot_ms.mean(), rel=1e-4)
+    # Mean ITL pools every gap: total decode time over total gaps.
+    assert run["mean_itl_ms"] == pytest.approx(((finish - first).sum() / (out - 1).sum()) * 1e3, rel=1e-4)
+    assert run["request_throughput"] == pytest.approx(len(done) / run["duration_s"])
+
+
+def test_goodput_counts_requests_meeting_the_ttft_slo(tmp_path):
+    out = tmp_path / "run.json"
+    csv_out = tmp_path / "r.csv"
+    assert main(["simulate", str(EXAMPLES / "chat.yaml"), "--set", "workload.num_requests=300",
+                 "--set", "workload.arrivals.rate=14", "--set", "slo.itl_ms=null", "--set", "slo.ttft_ms=40",
+                 "--out", str(out), "--requests-out", str(csv_out)]) == 0
+    run = json.loads(out.read_text())
+    with open(csv_out) as f:
+        rows = [r for r in csv.DictReader(f) if r["status"] == "completed"]
+    good = sum((float(r["first_token_s"]) - float(r["arrival_s"])) * 1e3 <= 40 for r in rows)
+    assert 0 < good < len(rows), "the SLO should separate good from bad requests here"
+    assert run["request_goodput"] == pytest.approx(good / run["duration_s"])
+    assert run["slo_attainment"] == pytest.approx(good / run["arrived"])
+
+
+def test_set_changes_the_simulation(tmp_path):
+    out = tmp_path / "run.json"
+    assert main(["simulate", str(EXAMPLES / "chat.yaml"), "--set", "workload.num_requests=200",
+                 "--set", "scheduler.max_num_seqs=1", "--out", str(out)]) == 0
+    run = json.loads(out.read_text())
+    assert run["mean_batch_size"] == pytest.approx(1.0)
+
+
+def test_static_example_runs(tmp_path):
+    out = tmp_path / "run.json"
+    assert main(["simulate", str(EXAMPLES / "static.yaml"), "--set", "workload.num_requests=200", "--out", str(out)]) == 0
+    run = json.loads(out.read_text())
+    assert run["completed"] == 200 and run["config"]["scheduler"]["policy"] == "static"
+
+
+def _bad_inputs(tmp_path: Path) -> dict[str, list[str]]:
+    (tmp_path / "malformed.yaml").write_text("scheduler: {max_num_seqs: 4\nslo: [\n")
+    (tmp_path / "unknown.yaml").write_text("scheduler: {max_num_seq: 4}\n")
+    (tmp_path / "empty.csv").write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n")
+    (tmp_path / "negative.csv").write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n0.0,10,5\n1.0,-3,5\n")
+    trace_config = "workload: {{arrivals: {{kind: trace, path: {name}, format: processed}}}}\n"
+    (tmp_path / "empty_trace.yaml").write_text(trace_config.format(name="empty.csv"))
+    (tmp_path / "bad_row.yaml").write_text(trace_config.format(name="negative.csv"))
+    return {
+        "malformed YAML": [str(tmp_path / "malformed.yaml")],
+        "unknown key": [str(tmp_path / "unknown.yaml")],
+        "empty trace": [str(tmp_path / "empty_trace.yaml")],
+        "bad trace row": [str(tmp_path / "bad_row.yaml")],
+        "bad override": [str(EXAMPLES / "chat.yaml"), "--set", "scheduler.max_num_seqs=-3"],
+        "missing file": [str(tmp_path / "nope.yaml")],
+    }
+
+
+def test_bad_input_is_one_clear_line_and_exit_code_2(tmp_path):
+    expected_words = {
+        "malformed YAML": ["malformed.yaml", "line"],
+        "unknown key": ["unknown.yaml", "scheduler.max_num_seq", "max_num_seqs"],
+        "empty trace": ["empty.csv", "no requests"],
+        "bad trace row": ["negative.csv", "row 2", "num_prefill_tokens", "-3"],
+        "bad override": ["scheduler.max_num_seqs", "-3"],
+        "missing file": ["nope.yaml"],
+    }
+    for case, args in _bad_inputs(tmp_path).items():
+        result = subprocess.run([sys.executable, "-m", "servetune.cli", "simulate", *args],
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2, (case, result.stderr)
+        assert "Traceback" not in result.stderr, (case, result.stderr)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1, (case, result.stderr)
+        for word in expected_words[case]:
+            assert word in lines[0], (case, word, lines[0])
