@@ -26,7 +26,7 @@ differences, which are accurate.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -226,6 +226,14 @@ def _arrival_due(trace, params, state, index):
     )
 
 
+class Arrived(NamedTuple):
+    """Arrivals accepted this iteration, in order; written into the queue at the iteration's end."""
+
+    ids: jnp.ndarray     # int32[ARRIVALS_PER_ITERATION], the first `count` valid
+    count: jnp.ndarray
+    tail: jnp.ndarray    # ring position of the first of them (the queue's back before they came)
+
+
 def _process_arrivals(trace: Trace, params: EngineParams, state: EngineState):
     """Admit or reject up to ARRIVALS_PER_ITERATION due arrivals, in order; report if more are due."""
     n = trace.prompt.shape[0]
@@ -243,8 +251,13 @@ def _process_arrivals(trace: Trace, params: EngineParams, state: EngineState):
     rejected = due & ~accepted
     reason = jnp.where(never_fits, KV_CAPACITY, jnp.where(over_budget, TOKEN_BUDGET, QUEUE_FULL))
 
-    queue_pos = (state.queue_head + state.queue_len + rank) % n
-    queue = _set_where(state.queue, queue_pos, index, accepted)
+    count = jnp.sum(accepted, dtype=i32)
+    arrived = Arrived(
+        ids=jnp.zeros(ARRIVALS_PER_ITERATION, i32).at[jnp.where(accepted, rank, ARRIVALS_PER_ITERATION)].set(
+            index, mode="drop"),
+        count=count,
+        tail=(state.queue_head + state.queue_len) % n,
+    )
     req = state.requests
     req = replace(req,
         status=_set_where(req.status, index, jnp.where(accepted, IN_SYSTEM, REJECTED), due),
@@ -254,25 +267,30 @@ def _process_arrivals(trace: Trace, params: EngineParams, state: EngineState):
     waited = _df_sub(state.clock_hi, state.clock_lo, trace.arrival_hi[safe], trace.arrival_lo[safe])
     next_arrival = state.next_arrival + jnp.sum(due, dtype=i32)
     state = replace(state,
-        queue=queue,
-        queue_len=state.queue_len + jnp.sum(accepted, dtype=i32),
+        queue_len=state.queue_len + count,
         requests=req,
         next_arrival=next_arrival,
         in_system_seconds=state.in_system_seconds + jnp.sum(jnp.where(accepted, waited, 0.0)),
     )
     more_due = _arrival_due(trace, params, state, next_arrival)
-    return state, more_due
+    return state, more_due, arrived
 
 
 # ---------------------------------------------------------------------------------------------
 # Scheduling
 # ---------------------------------------------------------------------------------------------
-def _queue_front(trace: Trace, state: EngineState, num_slots: int) -> tuple[Slots, jnp.ndarray]:
-    """The first num_slots waiting requests, as would-be slot rows, and which of them exist."""
+def _queue_front(trace: Trace, state: EngineState, arrived: Arrived, num_slots: int) -> tuple[Slots, jnp.ndarray]:
+    """The first num_slots waiting requests, as would-be slot rows, and which of them exist.
+
+    This iteration's arrivals are not in the ring yet: they follow its older entries.
+    """
     n = trace.prompt.shape[0]
     k = jnp.arange(num_slots, dtype=i32)
     valid = k < state.queue_len
-    ids = jnp.where(valid, state.queue[(state.queue_head + k) % n], 0)
+    older = state.queue_len - arrived.count
+    from_ring = state.queue[(state.queue_head + k) % n]
+    from_arrivals = arrived.ids[jnp.clip(k - older, 0, ARRIVALS_PER_ITERATION - 1)]
+    ids = jnp.where(valid, jnp.where(k < older, from_ring, from_arrivals), 0)
     req = state.requests
     since_last = _df_sub(state.clock_hi, state.clock_lo, req.last_emit_hi[ids], req.last_emit_lo[ids])
     rows = Slots(
@@ -311,11 +329,16 @@ def _take_from_budget(need, budget_left, params):
     return jnp.where(fits, jnp.minimum(capped, budget_before), 0), fits
 
 
-def _form_static_batch(trace, params, state, num_slots):
+def _static_timeout(trace, params, front: Slots):
+    """When the queue's front request will have waited max_wait_s (static batching's start signal)."""
+    first = front.req[0]
+    return _df_add(trace.arrival_hi[first], trace.arrival_lo[first], params.max_wait_s)
+
+
+def _form_static_batch(trace, params, state, front: Slots, valid, timeout, num_slots):
     """Static batching: when idle and the queue is full or old enough, a whole batch starts at once."""
-    rows, valid = _queue_front(trace, state, num_slots)
-    front = state.queue[state.queue_head]
-    timeout_hi, timeout_lo = _df_add(trace.arrival_hi[front], trace.arrival_lo[front], params.max_wait_s)
+    rows = front
+    timeout_hi, timeout_lo = timeout
     trigger = (
         params.static_batching & (state.num_running == 0) & (state.queue_len > 0)
         & ((state.queue_len >= params.batch_size) | _df_le(timeout_hi, timeout_lo, state.clock_hi, state.clock_lo))
@@ -371,17 +394,16 @@ def _running_pass(params, state, num_slots):
     return slots, tokens, preempted, end, free
 
 
-def _requeue_preempted(trace, state, slots, preempted, end, num_slots):
+def _requeue_preempted(trace, state, slots, preempted, num_slots):
     """Victims go to the front of the queue in admission order, keeping what they emitted.
 
     `preempted` must already be False everywhere in an iteration that does not step the engine: the
-    queue and request table are only ever written through masked scatters, never selected whole.
+    queue and request table are only ever written through masked scatters, never selected whole. The
+    ring itself is written by `_write_queue`; here only its head moves.
     """
     n = trace.prompt.shape[0]
-    pos = jnp.arange(num_slots, dtype=i32)
     count = jnp.sum(preempted, dtype=i32)
     head = (state.queue_head - count) % n
-    queue = _set_where(state.queue, (head + pos - end) % n, slots.req, preempted)
     last_hi, last_lo = _df_add(state.clock_hi, state.clock_lo, -slots.gap)
     req = state.requests
     req = replace(req,
@@ -392,13 +414,32 @@ def _requeue_preempted(trace, state, slots, preempted, end, num_slots):
         last_emit_hi=_set_where(req.last_emit_hi, slots.req, last_hi, preempted),
         last_emit_lo=_set_where(req.last_emit_lo, slots.req, last_lo, preempted),
     )
-    return replace(state,
-        queue=queue, queue_head=head, queue_len=state.queue_len + count, requests=req)
+    return replace(state, queue_head=head, queue_len=state.queue_len + count, requests=req)
 
 
-def _waiting_pass(trace, params, state, slots, budget_left, free, allowed, num_slots):
-    """Continuous batching admits from the queue front while seats, budget and blocks allow."""
-    rows, valid = _queue_front(trace, state, num_slots)
+def _write_queue(trace, queue, arrived: Arrived, victims, preempted, victims_head, end, num_slots):
+    """The iteration's one write to the ring, after every read of it: arrivals at the back (from where
+    the back was before them) and preemption victims at the front, in admission order.
+
+    One scatter, not two: the victims depend on the iteration's read of the queue front, so XLA orders
+    the write after that read and updates the ring in place. (A separate arrivals scatter has no such
+    dependence, and XLA would copy the whole ring every iteration to keep the read safe.)
+    """
+    n = trace.prompt.shape[0]
+    r = jnp.arange(ARRIVALS_PER_ITERATION, dtype=i32)
+    pos = jnp.arange(num_slots, dtype=i32)
+    where = jnp.concatenate([(arrived.tail + r) % n, (victims_head + pos - end) % n])
+    what = jnp.concatenate([arrived.ids, victims])
+    write = jnp.concatenate([r < arrived.count, preempted])
+    return _set_where(queue, where, what, write)
+
+
+def _waiting_pass(trace, params, state, front: Slots, valid, slots, budget_left, free, allowed, num_slots):
+    """Continuous batching admits from the queue front while seats, budget and blocks allow.
+
+    Only runs when nothing was preempted, so the front is the one read at the start of the iteration.
+    """
+    rows = front
     k = jnp.arange(num_slots, dtype=i32)
     need = rows.prompt + rows.generated
     tokens, fits_budget = _take_from_budget(jnp.where(valid, need, 0), budget_left, params)
@@ -536,15 +577,14 @@ def _advance(trace, params, state, slots, tokens, admitted_any, cost_fn, num_slo
     )
 
 
-def _idle(trace, params, state):
+def _idle(trace, params, state, timeout):
     """Nothing to schedule: jump to the next arrival, static-batch timeout or horizon; or end."""
     n = trace.prompt.shape[0]
     nxt = jnp.minimum(state.next_arrival, n - 1)
     candidates_hi = [trace.arrival_hi[nxt], params.horizon_hi]
     candidates_lo = [trace.arrival_lo[nxt], params.horizon_lo]
     exists = [state.next_arrival < n, jnp.asarray(False)]
-    front = state.queue[state.queue_head]
-    t_hi, t_lo = _df_add(trace.arrival_hi[front], trace.arrival_lo[front], params.max_wait_s)
+    t_hi, t_lo = timeout
     candidates_hi.append(t_hi)
     candidates_lo.append(t_lo)
     exists.append(params.static_batching & (state.num_running == 0) & (state.queue_len > 0))
@@ -577,31 +617,36 @@ def _choose(pred, if_true: EngineState, if_false: EngineState) -> EngineState:
 
 
 def _iteration(trace, params, state, cost_fn, num_slots):
-    state, more_due = _process_arrivals(trace, params, state)
+    state, more_due, arrived = _process_arrivals(trace, params, state)
     past_horizon = _df_le(params.horizon_hi, params.horizon_lo, state.clock_hi, state.clock_lo)
-    active = ~more_due & ~past_horizon & ~state.ended
+    live = _live(state, params)
+    active = ~more_due & ~past_horizon & live
 
-    engine, formed = _form_static_batch(trace, params, state, num_slots)
+    front, front_valid = _queue_front(trace, state, arrived, num_slots)
+    timeout = _static_timeout(trace, params, front)
+    engine, formed = _form_static_batch(trace, params, state, front, front_valid, timeout, num_slots)
     slots, tokens, preempted, end, free = _running_pass(params, engine, num_slots)
     preempted = preempted & active
     tokens = jnp.where(active, tokens, 0)
-    engine = _requeue_preempted(trace, engine, slots, preempted, end, num_slots)
+    engine = _requeue_preempted(trace, engine, slots, preempted, num_slots)
     engine = replace(engine, num_running=end)
     budget_left = params.max_num_batched_tokens - jnp.sum(tokens)
     allowed = active & ~params.static_batching & ~jnp.any(preempted)
     engine, slots, admitted_tokens, admitted, free = _waiting_pass(
-        trace, params, engine, slots, budget_left, free, allowed, num_slots)
-    engine = replace(engine, slots=slots, num_running=end + admitted, free_blocks=free)
+        trace, params, engine, front, front_valid, slots, budget_left, free, allowed, num_slots)
+    queue = _write_queue(trace, state.queue, arrived, slots.req, preempted, engine.queue_head - admitted, end,
+                         num_slots)
+    engine = replace(engine, queue=queue, slots=slots, num_running=end + admitted, free_blocks=free)
     tokens = tokens + admitted_tokens
     changed_set = (formed > 0) | (admitted > 0) | jnp.any(preempted)
 
     busy = jnp.any(tokens > 0)
     stepped = _advance(trace, params, engine, slots, tokens, changed_set, cost_fn, num_slots)
-    idled = _idle(trace, params, state)
+    idled = _idle(trace, params, state, timeout)
     new = _choose(active, _choose(busy, stepped, idled), state)
     return replace(new,
         ended=new.ended | (~more_due & past_horizon),
-        iterations=state.iterations + (~state.ended).astype(i32),
+        iterations=state.iterations + live.astype(i32),
     )
 
 
@@ -641,11 +686,9 @@ def run_batched(trace: Trace, params: EngineParams, cost_fn: Callable, num_slots
     iteration.) An ended config's iteration writes nothing: `_iteration` gates every update on it.
     """
     state = jax.vmap(lambda p: init_state(trace, p, num_slots))(params)
-    one = lambda p, s: replace(_iteration(trace, p, s, cost_fn, num_slots),
-                               ended=s.ended | ~_live(s, p))
     state = jax.lax.while_loop(
         lambda s: jnp.any(jax.vmap(_live)(s, params)),
-        lambda s: jax.vmap(one)(params, s),
+        lambda s: jax.vmap(lambda p, one: _iteration(trace, p, one, cost_fn, num_slots))(params, s),
         state,
     )
     return jax.vmap(_flush_running)(state)
