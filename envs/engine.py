@@ -377,7 +377,10 @@ def _running_pass(params, state, num_slots):
     held = jnp.where(running, s.blocks, 0)
     held_from = jnp.concatenate([jnp.cumsum(held[::-1])[::-1], jnp.zeros(1, i32)])  # held by positions >= p
     shortfall = demand - state.free_blocks
-    end_after = jnp.minimum(state.num_running, jnp.sum(held_from[None, 1:] >= shortfall[:, None], axis=1))
+    # held_from is non-increasing, so "positions p >= 1 with held_from[p] >= shortfall" is a prefix whose
+    # length a binary search finds (an all-pairs comparison costs slots^2 per step).
+    end_after = jnp.minimum(state.num_running,
+                            jnp.searchsorted(-held_from[1:], -shortfall, side="right", method="scan_unrolled"))
     scheduled = _prefix_and(in_pass & (end_after > pos))
     count = jnp.sum(scheduled, dtype=i32)
     last = jnp.maximum(count - 1, 0)
