@@ -507,9 +507,13 @@ def _advance(trace, params, state, slots, tokens, admitted_any, cost_fn, num_slo
         _df_sub(trace.arrival_hi[nxt], trace.arrival_lo[nxt], state.clock_hi, state.clock_lo), jnp.inf)
     to_horizon = _df_sub(params.horizon_hi, params.horizon_lo, state.clock_hi, state.clock_lo)
     j = jnp.arange(LOOKAHEAD_STEPS, dtype=i32)
-    # Step j of the run (j >= 1) needs blocks for computed + j + 1 tokens per decode.
-    grow = jnp.maximum(_ceil_div(slots.computed[None, :] + j[:, None] + 1, params.block_size) - slots.blocks[None, :], 0)
-    new_blocks = jnp.sum(jnp.where(is_decode[None, :], grow, 0), axis=1)
+    # Step j of the run needs blocks for computed + j + 1 tokens per decode. A decode with `spare` free
+    # token positions in its blocks needs ceil((j - spare) / block_size) new ones by step j; counting
+    # decodes by `spare` makes this a (look-ahead x look-ahead) product, whatever the slot count.
+    spare = slots.blocks * params.block_size - slots.computed - 1
+    spare_counts = jnp.zeros(LOOKAHEAD_STEPS, i32).at[jnp.where(is_decode, spare, LOOKAHEAD_STEPS)].add(1, mode="drop")
+    blocks_by_step = _ceil_div(jnp.maximum(j[:, None] - j[None, :], 0), params.block_size)
+    new_blocks = blocks_by_step @ spare_counts
     repeatable = (
         (j == 0)
         | (all_decode & (j < remaining) & (starts < to_arrival) & (starts < to_horizon)

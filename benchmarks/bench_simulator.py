@@ -1,0 +1,102 @@
+"""Simulator speed on the Azure conversation trace (19,366 requests, rate_scale 0.7: loaded but stable).
+
+    python benchmarks/bench_simulator.py            # prints a Markdown report
+
+Measures, after compilation (compile time reported apart):
+  1. one config (examples/azure_conv.yaml) -- simulated requests and engine steps per wall-second;
+  2. 64 configs in one simulate_many call -- config-requests per wall-second;
+  3. the same single config with the roofline cost model instead of the linear one (their ratio);
+  4. the whole CLI run end to end (start-up and compilation included);
+and says where the time goes: loop iterations per request and microseconds per iteration.
+The machine is shared: compare ratios measured in one run, not absolute numbers across runs.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from servetune.config_loader import load_config
+from servetune.cost_models.factory import build_cost_model
+from servetune.envs import engine
+from servetune.envs.simulator import device_trace, engine_params, iteration_guard, num_slots_for, simulate_many
+from servetune.envs.workload import build_workload
+from servetune.pipeline import resolve
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "examples" / "azure_conv.yaml"
+
+
+def _timed_single(workload, config):
+    """(compile s, best-of-2 simulate s, iterations, steps) for one config."""
+    cost_fn, cost_params = build_cost_model(config)
+    params = engine_params(config.scheduler, cost_params, None, iteration_guard(workload))
+    trace = device_trace(workload)
+    start = time.perf_counter()
+    compiled = engine.run_jit.lower(trace, params, cost_fn, num_slots_for([config.scheduler])).compile()
+    compile_s = time.perf_counter() - start
+    runs = []
+    for _ in range(2):
+        start = time.perf_counter()
+        state = jax.block_until_ready(compiled(trace, params))
+        runs.append(time.perf_counter() - start)
+    return compile_s, min(runs), int(state.iterations), int(state.steps)
+
+
+def _many_configs(base, count: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return [dataclasses.replace(base, max_num_seqs=int(rng.choice([32, 64, 128, 256])),
+                                max_num_batched_tokens=int(rng.choice([512, 1024, 2048, 4096])))
+            for _ in range(count)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", type=int, default=64, help="configs in the simulate_many call")
+    args = parser.parse_args()
+
+    config = resolve(load_config(CONFIG))
+    workload = build_workload(config.workload)
+    n = workload.num_requests
+
+    compile_s, sim_s, iterations, steps = _timed_single(workload, config)
+    roofline = dataclasses.replace(config, cost_model=dataclasses.replace(config.cost_model, kind="roofline"))
+    r_compile_s, r_sim_s, _, r_steps = _timed_single(workload, roofline)
+
+    schedulers = _many_configs(config.scheduler, args.configs)
+    cost_fn, cost_params = build_cost_model(config)
+    start = time.perf_counter()
+    simulate_many(workload, schedulers, cost_fn, [cost_params] * len(schedulers))
+    first_many = time.perf_counter() - start
+    start = time.perf_counter()
+    simulate_many(workload, schedulers, cost_fn, [cost_params] * len(schedulers))
+    many_s = time.perf_counter() - start
+
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "servetune.cli", "simulate", str(CONFIG)], check=True,
+                   capture_output=True, env={**os.environ})
+    cli_s = time.perf_counter() - start
+
+    print(f"Azure conversation trace, {n:,} requests, rate_scale 0.7; {os.cpu_count()} cores; jax {jax.__version__}\n")
+    print("| measurement | value |\n|---|---|")
+    print(f"| one config (linear): simulate | {sim_s:.2f} s → **{n / sim_s:,.0f} requests/s**, "
+          f"{steps / sim_s:,.0f} engine steps/s |")
+    print(f"| one config: compile | {compile_s:.2f} s |")
+    print(f"| one config: loop iterations | {iterations:,} ({iterations / n:.2f} per request, "
+          f"{steps / iterations:.1f} engine steps each), {sim_s / iterations * 1e6:.0f} µs per iteration |")
+    print(f"| {len(schedulers)} configs, one simulate_many call | {many_s:.1f} s → "
+          f"**{len(schedulers) * n / many_s:,.0f} config·requests/s** (first call with compile {first_many:.1f} s) |")
+    print(f"| one config (roofline): simulate | {r_sim_s:.2f} s, {r_sim_s / sim_s:.2f}× the linear model's "
+          f"(compile {r_compile_s:.2f} s, {r_steps:,} steps) |")
+    print(f"| CLI end to end (`servetune simulate {CONFIG.relative_to(ROOT)}`) | {cli_s:.1f} s |")
+
+
+if __name__ == "__main__":
+    main()
