@@ -497,8 +497,10 @@ def _advance(trace, params, state, slots, tokens, admitted_any, cost_fn, num_slo
     durations = jnp.broadcast_to(cost_fn(params.cost, batch), ahead.shape).astype(f32)
     starts = _exclusive_cumsum(durations)
 
-    # How many steps repeat the first one before an event: only an all-decode step can repeat.
-    all_decode = jnp.all(is_decode == scheduled) & ~admitted_any
+    # How many steps repeat the first one before an event: only a step of true decodes can repeat. A
+    # one-token chunk of a preempted request's recompute is costed as a decode but emits nothing.
+    emits_now = slots.computed + tokens == slots.prompt + slots.generated
+    all_decode = jnp.all(is_decode == scheduled) & jnp.all(~is_decode | emits_now) & ~admitted_any
     remaining = jnp.min(jnp.where(is_decode, slots.output - slots.generated, NO_LIMIT))
     n = trace.prompt.shape[0]
     nxt = jnp.minimum(state.next_arrival, n - 1)
@@ -526,7 +528,7 @@ def _advance(trace, params, state, slots, tokens, admitted_any, cost_fn, num_slo
 
     # Token emission: a request whose computed tokens reach its length emits; a repeated decode emits
     # once per step.
-    emits = scheduled & (slots.computed + tokens == slots.prompt + slots.generated)
+    emits = scheduled & emits_now
     emitted = jnp.where(emits, k, 0)
     had_token = slots.generated >= 1
     first_gap = slots.gap + durations[0]

@@ -1,0 +1,283 @@
+"""Differential test: the JAX engine and the plain-Python reference agree on random small cases.
+
+The two simulators implement README.md's engine semantics independently, so every random workload and
+knob setting below is a chance to catch one of them breaking a rule. Each workload (always
+``NUM_REQUESTS`` requests, so the engine compiles once) is served under ``CONFIGS_PER_WORKLOAD`` random
+scheduler configs and linear cost models in one ``simulate_many`` call, and each config by the
+reference. The knobs are drawn so that every rule fires: preemption, each rejection reason, static
+batching (with and without its timeout), chunked prefill with and without a long-prefill cap, the
+watermark, a bounded queue, and a horizon that stops runs midway -- and ``test_random_cases_cover_every_rule``
+fails if the draws ever stop producing those events.
+
+Tolerances: the engine computes step times in float32 and keeps its clock as a float32 pair, so times
+agree to ~1e-7 of the time since the first arrival (compared at 1e-5); its integrals are float32 sums
+(compared at 1e-4). Integer results (statuses, counts, steps) must agree exactly.
+
+To reproduce a failure, the message names the workload seed: ``draw_group(seed)`` rebuilds its cases.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import numpy as np
+import pytest
+
+from conftest import linear
+from servetune.config import SchedulerConfig
+from servetune.cost_models.linear import LinearCostParams, step_time_s
+from servetune.envs.outcome import (
+    COMPLETED,
+    NOT_ARRIVED,
+    REJECT_KV_CAPACITY,
+    REJECT_NAMES,
+    REJECT_QUEUE_FULL,
+    REJECT_TOKEN_BUDGET,
+    REJECTED,
+    STATUS_NAMES,
+    UNFINISHED,
+    SimulationOutcome,
+)
+from servetune.envs.reference import simulate_reference
+from servetune.envs.simulator import num_slots_for, simulate_many, simulate_workload
+from servetune.envs.workload import Workload
+
+NUM_REQUESTS = 12          # every workload has this many: the engine compiles once per request count
+CONFIGS_PER_WORKLOAD = 16  # simulate_many compiles once per number of configs
+NUM_WORKLOADS = 160        # 2,560 random cases in all
+FIRST_SEED = 20_000
+
+TIME_REL = 1e-5       # event times, relative to the time elapsed since the first arrival
+INTEGRAL_REL = 1e-4   # kv_block_seconds, in_system_seconds, itl_sum_sq_s2: float32 sums in the engine
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    seed: int                  # the workload group's seed: draw_group(seed) rebuilds it
+    index: int                 # which of the group's configs
+    workload: Workload
+    scheduler: SchedulerConfig
+    cost: LinearCostParams
+    horizon_s: Optional[float]
+
+    def describe(self) -> str:
+        w = self.workload
+        rows = ", ".join(f"({float(a)!r}, {p}, {o})"
+                         for a, p, o in zip(w.arrival_s, w.prompt_tokens, w.output_tokens))
+        return (f"seed {self.seed} config {self.index}; horizon_s={self.horizon_s!r}\n"
+                f"  {self.scheduler}\n  {self.cost}\n  requests (arrival_s, P, O): [{rows}]")
+
+
+# -- drawing random cases ---------------------------------------------------------------------------
+
+
+def f32(x: float) -> float:
+    """A float the engine's float32 knobs and cost parameters hold exactly, so both sides use the same model."""
+    return float(np.float32(x))
+
+
+def draw_workload(rng: np.random.Generator) -> Workload:
+    n = NUM_REQUESTS
+    # Usually near 0; sometimes far from it, which exercises the engine's double-float clock.
+    origin = float(rng.choice([0.0, rng.uniform(0.0, 5.0), 5000.0 + rng.uniform(0.0, 1.0)]))
+    if rng.random() < 0.3:
+        # On a grid of 1/8 s: many simultaneous arrivals, and exact ties with static-batching timeouts.
+        offsets = rng.integers(0, 17, size=n) / 8.0
+    else:
+        offsets = rng.uniform(0.0, rng.uniform(0.05, 3.0), size=n)
+        offsets.sort()
+        same = rng.random(n) < 0.25  # arrive together with the previous request
+        for k in np.flatnonzero(same[1:]) + 1:
+            offsets[k] = offsets[k - 1]
+    arrivals = np.sort(origin + offsets)
+    max_prompt, max_output = (int(rng.choice([4, 16, 64])) for _ in range(2))
+    return Workload.from_lists(
+        arrivals, rng.integers(1, max_prompt + 1, size=n), rng.integers(1, max_output + 1, size=n))
+
+
+def draw_scheduler(rng: np.random.Generator, workload: Workload) -> SchedulerConfig:
+    chunked = bool(rng.random() < 0.5)
+    block_size = int(rng.integers(1, 17))
+    peak_tokens = workload.prompt_tokens + workload.output_tokens - 1
+    largest = int(np.max(-(-peak_tokens // block_size)))  # blocks the largest request needs at its peak
+    return SchedulerConfig(
+        policy="static" if rng.random() < 0.3 else "continuous",
+        max_num_seqs=int(rng.integers(1, 9)),
+        max_num_batched_tokens=int(np.exp(rng.uniform(math.log(8), math.log(512)))),
+        enable_chunked_prefill=chunked,
+        # A cap of 1 or 2 turns prefills and recomputes into 1-token chunks, which cost like decodes.
+        long_prefill_token_threshold=(int(rng.choice([1, 2, rng.integers(1, 33)]))
+                                      if chunked and rng.random() < 0.5 else 0),
+        block_size=block_size,
+        # From half the largest request's peak (it is rejected) to a few requests' worth (they preempt).
+        num_kv_blocks=int(rng.integers(max(1, largest // 2), 3 * largest + 1)),
+        watermark=0.0 if rng.random() < 0.5 else float(rng.uniform(0.0, 0.3)),
+        max_num_queued_reqs=None if rng.random() < 0.7 else int(rng.integers(0, 5)),
+        batch_size=int(rng.integers(1, 9)),
+        max_wait_s=float(rng.choice([0.0, 0.125, f32(rng.uniform(0.0, 1.0))])),
+    )
+
+
+def draw_cost(rng: np.random.Generator) -> LinearCostParams:
+    return linear(f32(rng.uniform(0.005, 0.05)), f32(rng.uniform(0.0, 2e-4)), f32(rng.uniform(1e-7, 2e-6)))
+
+
+def draw_group(seed: int) -> list[Case]:
+    """One workload, its horizon, and CONFIGS_PER_WORKLOAD random configs with their cost models."""
+    rng = np.random.default_rng(seed)
+    workload = draw_workload(rng)
+    horizon_s = None
+    if rng.random() < 0.4:
+        # Anywhere from before the first arrival to a few seconds after the last: midway through most runs.
+        horizon_s = float(rng.uniform(workload.arrival_s[0] - 0.1, workload.arrival_s[-1] + 3.0))
+    return [Case(seed, i, workload, draw_scheduler(rng, workload), draw_cost(rng), horizon_s)
+            for i in range(CONFIGS_PER_WORKLOAD)]
+
+
+@pytest.fixture(scope="module")
+def results() -> list[tuple[Case, SimulationOutcome, SimulationOutcome]]:
+    """Every case with its reference outcome and its simulate_many outcome."""
+    out = []
+    for seed in range(FIRST_SEED, FIRST_SEED + NUM_WORKLOADS):
+        cases = draw_group(seed)
+        engine = simulate_many(cases[0].workload, [c.scheduler for c in cases], step_time_s,
+                               [c.cost for c in cases], horizon_s=cases[0].horizon_s)
+        for case, jax_outcome in zip(cases, engine):
+            args = (case.workload, case.scheduler, step_time_s, case.cost, case.horizon_s)
+            out.append((case, simulate_reference(*args), jax_outcome))
+    return out
+
+
+# -- comparing two outcomes -------------------------------------------------------------------------
+
+
+def _times_differ(ref: float, got: float, origin: float, rel: float) -> bool:
+    if math.isnan(ref) or math.isnan(got):
+        return math.isnan(ref) != math.isnan(got)
+    return abs(got - ref) > rel * abs(ref - origin) + 1e-9
+
+
+def _histograms_differ(ref: np.ndarray, got: np.ndarray) -> bool:
+    """Whether the histograms differ by more than moving some gaps to an adjacent bin.
+
+    Gaps can be matched with each moving at most one bin exactly when every cumulative count of one
+    histogram lies between the other's cumulative counts one bin earlier and one bin later.
+    """
+    if ref.sum() != got.sum():
+        return True
+    c_ref, c_got = np.cumsum(ref), np.cumsum(got)
+    earlier = np.concatenate([[0], c_ref[:-1]])
+    later = np.concatenate([c_ref[1:], [c_ref[-1]]])
+    return bool(np.any(c_got < earlier) or np.any(c_got > later))
+
+
+def differences(case: Case, ref: SimulationOutcome, got: SimulationOutcome) -> list[str]:
+    """Every way the engine's outcome differs from the reference's, one line each; empty when they agree."""
+    w = case.workload
+    origin = float(w.arrival_s[0])
+    lines = []
+    r, g = ref.requests, got.requests
+    for i in range(w.num_requests):
+        diffs = []
+        for field in ("status", "reject_reason", "generated_tokens", "preemptions"):
+            a, b = int(getattr(r, field)[i]), int(getattr(g, field)[i])
+            if a != b:
+                diffs.append(f"{field} {a} vs {b}")
+        for field in ("first_token_s", "finish_s"):
+            a, b = float(getattr(r, field)[i]), float(getattr(g, field)[i])
+            if _times_differ(a, b, origin, TIME_REL):
+                diffs.append(f"{field} {a!r} vs {b!r}")
+        a, b = float(r.max_itl_s[i]), float(g.max_itl_s[i])
+        if _times_differ(a, b, 0.0, TIME_REL):
+            diffs.append(f"max_itl_s {a!r} vs {b!r}")
+        a, b = float(r.itl_sum_sq_s2[i]), float(g.itl_sum_sq_s2[i])
+        if _times_differ(a, b, 0.0, INTEGRAL_REL):
+            diffs.append(f"itl_sum_sq_s2 {a!r} vs {b!r}")
+        if diffs:
+            status = STATUS_NAMES[int(r.status[i])]
+            if r.status[i] == REJECTED:
+                status += " " + REJECT_NAMES[int(r.reject_reason[i])]
+            lines.append(f"request {i} (arrival {float(w.arrival_s[i])!r}, P={w.prompt_tokens[i]}, "
+                         f"O={w.output_tokens[i]}; reference {status}): " + "; ".join(diffs))
+    rt, gt = ref.totals, got.totals
+    for field in ("steps", "scheduled_seqs", "truncated"):
+        if getattr(rt, field) != getattr(gt, field):
+            lines.append(f"totals.{field} {getattr(rt, field)} vs {getattr(gt, field)}")
+    if _times_differ(rt.end_s, gt.end_s, origin, TIME_REL):
+        lines.append(f"totals.end_s {rt.end_s!r} vs {gt.end_s!r}")
+    for field in ("kv_block_seconds", "in_system_seconds"):
+        a, b = getattr(rt, field), getattr(gt, field)
+        if _times_differ(a, b, 0.0, INTEGRAL_REL):
+            lines.append(f"totals.{field} {a!r} vs {b!r}")
+    if _histograms_differ(rt.itl_histogram, gt.itl_histogram):
+        lines.append(f"totals.itl_histogram: {int(rt.itl_histogram.sum())} vs {int(gt.itl_histogram.sum())} gaps, "
+                     f"or some gap more than one bin away")
+    return lines
+
+
+def assert_agree(results, engine_name: str) -> None:
+    """Each (case, reference outcome, engine outcome) agrees; else name the failing cases, detail the first."""
+    failures = [(case, lines) for case, ref, got in results if (lines := differences(case, ref, got))]
+    if failures:
+        case, lines = failures[0]
+        which = ", ".join(f"seed {c.seed} config {c.index}" for c, _ in failures[:20])
+        pytest.fail(f"{engine_name} disagrees with the reference in {len(failures)} of {len(results)} cases "
+                    f"({which}{', ...' if len(failures) > 20 else ''}). The first: {case.describe()}\n"
+                    f"  reference vs engine:\n  " + "\n  ".join(lines), pytrace=False)
+
+
+# -- the tests --------------------------------------------------------------------------------------
+
+
+def test_simulate_many_matches_reference(results):
+    assert_agree(results, "simulate_many")
+
+
+def test_simulate_workload_matches_reference():
+    """The single-config entry point (its own jitted loop) on one config of every fifth workload.
+
+    Each is the group's first config needing 8 slots, so the loop compiles once.
+    """
+    results = []
+    for seed in range(FIRST_SEED, FIRST_SEED + NUM_WORKLOADS, 5):
+        case = next(c for c in draw_group(seed) if num_slots_for([c.scheduler]) == 8)
+        args = (case.workload, case.scheduler, step_time_s, case.cost, case.horizon_s)
+        results.append((case, simulate_reference(*args), simulate_workload(*args)))
+    assert_agree(results, "simulate_workload")
+
+
+def event_counts(results) -> dict[str, int]:
+    """In how many cases each event the comparison is meant to cover happened (on the reference)."""
+    counts = dict.fromkeys(
+        ["preemption", "static preemption", "preemption under a 1-2 token cap", "kv_capacity", "token_budget",
+         "queue_full", "static completion", "unfinished at horizon", "not arrived before horizon",
+         "long-prefill cap", "watermark", "completed all"], 0)
+    for case, reference, _ in results:
+        r, s = reference.requests, case.scheduler
+        static = s.policy == "static"
+        preempted = bool(r.preemptions.sum() > 0)
+        served = bool(np.any(r.generated_tokens > 0))
+        counts["preemption"] += preempted
+        counts["static preemption"] += static and preempted
+        # Recomputed 1 or 2 tokens a step: chunks that the cost model counts as decodes but that emit nothing.
+        counts["preemption under a 1-2 token cap"] += preempted and 0 < s.long_prefill_token_threshold <= 2
+        counts["kv_capacity"] += bool(np.any(r.reject_reason == REJECT_KV_CAPACITY))
+        counts["token_budget"] += bool(np.any(r.reject_reason == REJECT_TOKEN_BUDGET))
+        counts["queue_full"] += bool(np.any(r.reject_reason == REJECT_QUEUE_FULL))
+        counts["static completion"] += static and bool(np.any(r.status == COMPLETED))
+        counts["unfinished at horizon"] += bool(np.any((r.status == UNFINISHED) & (r.generated_tokens > 0)))
+        counts["not arrived before horizon"] += bool(np.any(r.status == NOT_ARRIVED))
+        longest_prompt = int(case.workload.prompt_tokens.max())
+        counts["long-prefill cap"] += served and 0 < s.long_prefill_token_threshold < longest_prompt
+        counts["watermark"] += served and math.floor(s.watermark * s.num_kv_blocks) > 0
+        counts["completed all"] += bool(np.all(r.status == COMPLETED))
+    return counts
+
+
+def test_random_cases_cover_every_rule(results):
+    """The draws keep producing every event the comparison is meant to cover."""
+    counts = event_counts(results)
+    minimum = len(results) // 50
+    rare = {event: n for event, n in counts.items() if n < minimum}
+    assert not rare, f"fewer than {minimum} of {len(results)} cases had {rare}; all counts: {counts}"

@@ -1,0 +1,125 @@
+"""Queueing theory as an independent check of the JAX engine.
+
+With one seat (``max_num_seqs: 1``), a constant step cost D and Poisson arrivals, the engine is a
+single-server FIFO queue: a request waits for the one ahead of it to finish (processing arrivals at step
+boundaries changes nothing, as the seat is taken until one), then takes one step of D for its prompt
+(which emits its first token) and one step of D for each further output token, so its service time is
+S = O * D. Single-token outputs make it an M/D/1 queue, geometric output lengths an M/G/1 queue,
+and the Pollaczek-Khinchine formula gives the mean wait W_q = lambda E[S^2] / (2 (1 - rho)).
+
+Each estimate is the mean over RUNS independent seeds of a run's mean latency (its first WARMUP
+requests dropped, since every run starts empty); the standard error comes from the spread of those RUNS
+means. A test asserts the estimate is within 4 standard errors of theory, that those errors are small
+enough for that to mean something, and a plain relative bound.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from conftest import linear, scheduler_config
+from servetune.cost_models.linear import step_time_s
+from servetune.envs.outcome import COMPLETED
+from servetune.envs.simulator import simulate_workload
+from servetune.envs.workload import Workload
+
+RUNS = 80                 # independent seeds per estimate
+REQUESTS_PER_RUN = 2000   # one request count for every queue here, so the engine compiles once
+WARMUP = 200              # requests dropped from the start of each run
+STEP_S = 1.0 / 64         # D, exact in float32 like every engine time
+MEAN_OUTPUT = 4           # mean of the geometric output lengths
+MAX_STANDARD_ERRORS = 4.0
+MAX_RELATIVE_ERROR = 0.08
+MAX_RELATIVE_STANDARD_ERROR = 0.03  # the runs must pin the mean this well, or the 4-SE check is toothless
+
+ONE_SEAT = scheduler_config(max_num_seqs=1, max_num_batched_tokens=4096, num_kv_blocks=1 << 20)
+
+
+def poisson_workload(seed: int, rate: float, output_tokens) -> Workload:
+    """REQUESTS_PER_RUN one-token prompts with exponential gaps of mean 1/rate; ``output_tokens(rng, n)``."""
+    rng = np.random.default_rng(seed)
+    arrivals = np.cumsum(rng.exponential(1.0 / rate, size=REQUESTS_PER_RUN))
+    return Workload.from_lists(arrivals, np.ones(REQUESTS_PER_RUN), output_tokens(rng, REQUESTS_PER_RUN))
+
+
+def single_tokens(rng, n):
+    return np.ones(n, dtype=np.int64)
+
+
+def geometric_tokens(rng, n):
+    return rng.geometric(1.0 / MEAN_OUTPUT, size=n)
+
+
+def latency_means(seed0: int, rate: float, output_tokens) -> tuple[np.ndarray, np.ndarray]:
+    """Per run, the mean TTFT and mean E2EL of its requests after the warm-up, from one seat at STEP_S."""
+    ttft, e2el = [], []
+    for seed in range(seed0, seed0 + RUNS):
+        workload = poisson_workload(seed, rate, output_tokens)
+        out = simulate_workload(workload, ONE_SEAT, step_time_s, linear(STEP_S))
+        assert np.all(out.requests.status == COMPLETED)
+        kept = slice(WARMUP, None)
+        arrival = workload.arrival_s[kept]
+        ttft.append(np.mean(out.requests.first_token_s[kept] - arrival))
+        e2el.append(np.mean(out.requests.finish_s[kept] - arrival))
+    return np.array(ttft), np.array(e2el)
+
+
+def assert_matches_theory(what: str, run_means: np.ndarray, theory: float) -> None:
+    estimate = float(np.mean(run_means))
+    standard_error = float(np.std(run_means, ddof=1) / math.sqrt(len(run_means)))
+    error = estimate - theory
+    message = (f"{what}: measured {estimate * 1e3:.4f} ms, theory {theory * 1e3:.4f} ms, "
+               f"error {error * 1e3:+.4f} ms = {error / standard_error:+.2f} standard errors "
+               f"(SE {standard_error * 1e3:.4f} ms, {standard_error / theory:.2%} of theory; "
+               f"{len(run_means)} runs of {REQUESTS_PER_RUN - WARMUP} requests)")
+    assert standard_error < MAX_RELATIVE_STANDARD_ERROR * theory, message
+    assert abs(error) < MAX_STANDARD_ERRORS * standard_error, message
+    assert abs(error) < MAX_RELATIVE_ERROR * theory, message
+
+
+@pytest.mark.parametrize("rho", [0.5, 0.8])
+def test_single_token_requests_queue_as_md1(rho):
+    # Service is one step of D: mean TTFT = D + W_q with W_q = rho D / (2 (1 - rho)).
+    rate = rho / STEP_S
+    ttft, _ = latency_means(seed0=int(rho * 1000), rate=rate, output_tokens=single_tokens)
+    assert_matches_theory(f"M/D/1 mean TTFT at rho={rho}", ttft, STEP_S + rho * STEP_S / (2 * (1 - rho)))
+
+
+@pytest.mark.parametrize("rho", [0.5, 0.8])
+def test_geometric_outputs_queue_as_mg1(rho):
+    # S = O * D with O geometric of mean m: E[S] = m D, E[S^2] = D^2 E[O^2] = D^2 m (2m - 1).
+    m = MEAN_OUTPUT
+    rate = rho / (m * STEP_S)
+    wait = rate * STEP_S**2 * m * (2 * m - 1) / (2 * (1 - rho))  # Pollaczek-Khinchine
+    ttft, e2el = latency_means(seed0=10_000 + int(rho * 1000), rate=rate, output_tokens=geometric_tokens)
+    assert_matches_theory(f"M/G/1 mean TTFT at rho={rho}", ttft, wait + STEP_S)
+    assert_matches_theory(f"M/G/1 mean E2EL at rho={rho}", e2el, wait + m * STEP_S)
+
+
+def test_littles_law_with_continuous_batching():
+    """Time-average number in system = throughput x mean time in system, for a busy batched run.
+
+    The run starts and ends empty and rejects nobody, so both sides are the same integral: the engine's
+    in_system_seconds integrates the waiting + running count over time, and the sum of the requests'
+    E2EL adds up each request's time in the system. They differ only by rounding in the engine's float32
+    running sum (~10^4 additions, each rounded by at most half an ulp of a ~800 s total, 3e-5 s): about
+    1e-6 relative as the errors partly cancel, 3e-4 if they all had one sign; asserted at 1e-4.
+    """
+    rng = np.random.default_rng(7)
+    n = REQUESTS_PER_RUN
+    arrivals = np.cumsum(rng.exponential(1.0 / 25.0, size=n))
+    workload = Workload.from_lists(arrivals, rng.integers(16, 513, size=n), rng.geometric(1.0 / 32, size=n))
+    scheduler = scheduler_config(max_num_seqs=16, max_num_batched_tokens=512, block_size=16, num_kv_blocks=200)
+    out = simulate_workload(workload, scheduler, step_time_s, linear(0.008, 2e-5, 1e-7))
+    r, totals = out.requests, out.totals
+    assert np.all(r.status == COMPLETED)
+    assert r.preemptions.sum() > 0, "the run should be busy enough to preempt"
+    duration = totals.end_s - workload.arrival_s[0]
+    in_system = totals.in_system_seconds / duration
+    throughput = n / duration
+    time_in_system = float(np.mean(r.finish_s - workload.arrival_s))
+    assert in_system == pytest.approx(throughput * time_in_system, rel=1e-4), (
+        f"L = {in_system:.6f} requests, lambda W = {throughput:.4f}/s x {time_in_system:.6f} s "
+        f"= {throughput * time_in_system:.6f} over {duration:.3f} s")
