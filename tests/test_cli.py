@@ -140,3 +140,20 @@ def test_bad_input_is_one_clear_line_and_exit_code_2(tmp_path):
         assert len(lines) == 1, (case, result.stderr)
         for word in expected_words[case]:
             assert word in lines[0], (case, word, lines[0])
+
+
+def test_roofline_config_with_kv_blocks_derived_from_the_hardware(tmp_path, capsys):
+    """`cost_model: {kind: roofline}` replaces the linear model, and an omitted num_kv_blocks is sized
+    from the model and GPU exactly as `servetune memory` reports it."""
+    out = tmp_path / "run.json"
+    assert main(["simulate", str(EXAMPLES / "chat.yaml"), "--set", "workload.num_requests=200",
+                 "--set", "cost_model.kind=roofline", "--set", "scheduler.num_kv_blocks=null",
+                 "--out", str(out)]) == 0
+    run = json.loads(out.read_text())
+    capsys.readouterr()
+    assert main(["memory", "--model", "llama-2-7b", "--gpu", "a100-80gb", "--max-num-batched-tokens", "2048",
+                 "--max-num-seqs", "64", "--json"]) == 0
+    memory = json.loads(capsys.readouterr().out)
+    assert run["config"]["scheduler"]["num_kv_blocks"] == memory["num_kv_blocks"] > 0
+    assert run["config"]["cost_model"]["kind"] == "roofline"
+    assert run["completed"] == 200
