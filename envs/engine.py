@@ -131,6 +131,7 @@ class EngineState:
     itl_histogram: jnp.ndarray
     iterations: jnp.ndarray
     ended: jnp.ndarray
+    slots_filled: jnp.ndarray  # the slot table was full while max_num_seqs allowed more: rerun with more
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,7 +208,7 @@ def init_state(trace: Trace, params: EngineParams, num_slots: int) -> EngineStat
         steps=jnp.asarray(0, i32), scheduled_seqs=jnp.asarray(0, i32),
         kv_block_seconds=jnp.asarray(0.0, f32), in_system_seconds=jnp.asarray(0.0, f32),
         itl_histogram=jnp.zeros(ITL_HIST_BINS, i32),
-        iterations=jnp.asarray(0, i32), ended=jnp.asarray(False),
+        iterations=jnp.asarray(0, i32), ended=jnp.asarray(False), slots_filled=jnp.asarray(False),
     )
 
 
@@ -653,9 +654,12 @@ def _iteration(trace, params, state, cost_fn, num_slots):
     stepped = _advance(trace, params, engine, slots, tokens, changed_set, cost_fn, num_slots)
     idled = _idle(trace, params, state, timeout)
     new = _choose(active, _choose(busy, stepped, idled), state)
+    # The slot count is a capacity bound, not a knob: if it ever binds, the caller reruns with more.
+    table_full = (end + admitted >= num_slots) & (num_slots < params.max_num_seqs) & ~params.static_batching
     return replace(new,
         ended=new.ended | (~more_due & past_horizon),
         iterations=state.iterations + live.astype(i32),
+        slots_filled=state.slots_filled | (active & table_full),
     )
 
 

@@ -42,9 +42,24 @@ def _split_double(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def num_slots_for(schedulers: Sequence[SchedulerConfig]) -> int:
-    """The static slot count: a power of two covering every config's concurrency, to share compiles."""
+    """The most slots any config could fill: a power of two covering every config's concurrency."""
     need = max(s.batch_size if s.policy == "static" else s.max_num_seqs for s in schedulers)
     return 1 << max(0, math.ceil(math.log2(need)))
+
+
+# Most runs never hold more than a few dozen requests at once, and the engine's cost per iteration grows
+# with the slot count; so runs start with at most this many slots and grow only if the table filled up
+# (the engine reports it). A run whose table never filled is identical to one with every slot.
+INITIAL_SLOTS = 64
+SLOT_GROWTH = 4
+
+
+def _slot_schedule(schedulers: Sequence[SchedulerConfig]) -> list[int]:
+    full = num_slots_for(schedulers)
+    sizes = [min(full, INITIAL_SLOTS)]
+    while sizes[-1] < full:
+        sizes.append(min(full, sizes[-1] * SLOT_GROWTH))
+    return sizes
 
 
 def iteration_guard(workload: Workload) -> int:
@@ -120,12 +135,41 @@ def outcome_from_state(workload: Workload, state: engine.EngineState, horizon_s:
     return SimulationOutcome(requests, totals)
 
 
+def _stack(params: Sequence[engine.EngineParams]) -> engine.EngineParams:
+    return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *params)
+
+
+def _run_growing(trace, params: list, cost_fn, schedulers) -> list:
+    """Run every config, rerunning those whose slot table filled up with a larger one."""
+    states: list = [None] * len(params)
+    pending = list(range(len(params)))
+    for num_slots in _slot_schedule(schedulers):
+        batch = jax.device_get(engine.run_many(trace, _stack([params[i] for i in pending]), cost_fn, num_slots))
+        rerun = []
+        for row, i in enumerate(pending):
+            states[i] = jax.tree_util.tree_map(lambda x: x[row], batch)
+            if bool(states[i].slots_filled):
+                rerun.append(i)
+        pending = rerun
+        if not pending:
+            break
+    return states
+
+
+def _run_one_growing(trace, params, cost_fn, scheduler):
+    for num_slots in _slot_schedule([scheduler]):
+        state = jax.device_get(engine.run_jit(trace, params, cost_fn, num_slots))
+        if not bool(state.slots_filled):
+            break
+    return state
+
+
 def simulate_workload(workload: Workload, scheduler: SchedulerConfig, cost_fn: Callable, cost_params: Any,
                       horizon_s: Optional[float] = None) -> SimulationOutcome:
     """Simulate one scheduler config over a workload."""
     params = engine_params(scheduler, cost_params, horizon_s, iteration_guard(workload))
-    state = engine.run_jit(device_trace(workload), params, cost_fn, num_slots_for([scheduler]))
-    return outcome_from_state(workload, jax.device_get(state), horizon_s)
+    state = _run_one_growing(device_trace(workload), params, cost_fn, scheduler)
+    return outcome_from_state(workload, state, horizon_s)
 
 
 def simulate_many(workload: Workload, schedulers: Sequence[SchedulerConfig], cost_fn: Callable,
@@ -134,13 +178,9 @@ def simulate_many(workload: Workload, schedulers: Sequence[SchedulerConfig], cos
     if len(schedulers) != len(cost_params):
         raise ValueError("simulate_many needs one cost-parameter set per scheduler config")
     guard = iteration_guard(workload)
-    per_config = [engine_params(s, c, horizon_s, guard) for s, c in zip(schedulers, cost_params)]
-    stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *per_config)
-    states = jax.device_get(engine.run_many(device_trace(workload), stacked, cost_fn, num_slots_for(schedulers)))
-    return [
-        outcome_from_state(workload, jax.tree_util.tree_map(lambda x: x[i], states), horizon_s)
-        for i in range(len(schedulers))
-    ]
+    params = [engine_params(s, c, horizon_s, guard) for s, c in zip(schedulers, cost_params)]
+    states = _run_growing(device_trace(workload), params, cost_fn, schedulers)
+    return [outcome_from_state(workload, state, horizon_s) for state in states]
 
 
 def simulate_timed(workload: Workload, scheduler: SchedulerConfig, cost_fn: Callable, cost_params: Any,
@@ -148,9 +188,14 @@ def simulate_timed(workload: Workload, scheduler: SchedulerConfig, cost_fn: Call
     """Like simulate_workload, also returning (compile seconds, simulate seconds) measured apart."""
     params = engine_params(scheduler, cost_params, horizon_s, iteration_guard(workload))
     trace = device_trace(workload)
-    start = time.perf_counter()
-    compiled = engine.run_jit.lower(trace, params, cost_fn, num_slots_for([scheduler])).compile()
-    compiled_at = time.perf_counter()
-    state = jax.block_until_ready(compiled(trace, params))
-    finished_at = time.perf_counter()
-    return outcome_from_state(workload, jax.device_get(state), horizon_s), compiled_at - start, finished_at - compiled_at
+    compile_s = simulate_s = 0.0
+    for num_slots in _slot_schedule([scheduler]):
+        start = time.perf_counter()
+        compiled = engine.run_jit.lower(trace, params, cost_fn, num_slots).compile()
+        compiled_at = time.perf_counter()
+        state = jax.device_get(jax.block_until_ready(compiled(trace, params)))
+        compile_s += compiled_at - start
+        simulate_s += time.perf_counter() - compiled_at
+        if not bool(state.slots_filled):
+            break
+    return outcome_from_state(workload, state, horizon_s), compile_s, simulate_s
