@@ -26,7 +26,7 @@ import numpy as np
 from servetune.config_loader import load_config
 from servetune.cost_models.factory import build_cost_model
 from servetune.envs import engine
-from servetune.envs.simulator import device_trace, engine_params, iteration_guard, num_slots_for, simulate_many
+from servetune.envs.simulator import _slot_schedule, device_trace, engine_params, iteration_guard, simulate_many
 from servetune.envs.workload import build_workload
 from servetune.pipeline import resolve
 
@@ -34,20 +34,26 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "examples" / "azure_conv.yaml"
 
 
-def _timed_single(workload, config):
-    """(compile s, best-of-2 simulate s, iterations, steps) for one config."""
+def _timed_single(workload, config, slot_sizes=None):
+    """(compile s, best-of-2 simulate s, iterations, steps, slots) for one config, growing the slot table
+    as simulate does (or trying only `slot_sizes`)."""
     cost_fn, cost_params = build_cost_model(config)
     params = engine_params(config.scheduler, cost_params, None, iteration_guard(workload))
     trace = device_trace(workload)
-    start = time.perf_counter()
-    compiled = engine.run_jit.lower(trace, params, cost_fn, num_slots_for([config.scheduler])).compile()
-    compile_s = time.perf_counter() - start
-    runs = []
-    for _ in range(2):
+    compile_s = sim_s = 0.0
+    for num_slots in slot_sizes or _slot_schedule([config.scheduler]):
         start = time.perf_counter()
-        state = jax.block_until_ready(compiled(trace, params))
-        runs.append(time.perf_counter() - start)
-    return compile_s, min(runs), int(state.iterations), int(state.steps)
+        compiled = engine.run_jit.lower(trace, params, cost_fn, num_slots).compile()
+        compile_s += time.perf_counter() - start
+        runs = []
+        for _ in range(2):
+            start = time.perf_counter()
+            state = jax.block_until_ready(compiled(trace, params))
+            runs.append(time.perf_counter() - start)
+        sim_s += min(runs)
+        if not bool(state.slots_filled):
+            break
+    return compile_s, sim_s, int(state.iterations), int(state.steps), num_slots
 
 
 def _many_configs(base, count: int, seed: int = 0):
@@ -66,9 +72,13 @@ def main() -> None:
     workload = build_workload(config.workload)
     n = workload.num_requests
 
-    compile_s, sim_s, iterations, steps = _timed_single(workload, config)
+    compile_s, sim_s, iterations, steps, slots = _timed_single(workload, config)
     roofline = dataclasses.replace(config, cost_model=dataclasses.replace(config.cost_model, kind="roofline"))
-    r_compile_s, r_sim_s, _, r_steps = _timed_single(workload, roofline)
+    r_compile_s, r_sim_s, _, r_steps, r_slots = _timed_single(workload, roofline)
+    # The cost model's own price: both models at the same slot count (the roofline's slower steps raise
+    # concurrency, which may grow its table).
+    _, r_equal_s, _, _, _ = _timed_single(workload, roofline, [r_slots])
+    _, l_equal_s, _, _, _ = _timed_single(workload, config, [r_slots])
 
     schedulers = _many_configs(config.scheduler, args.configs)
     cost_fn, cost_params = build_cost_model(config)
@@ -89,12 +99,15 @@ def main() -> None:
     print(f"| one config (linear): simulate | {sim_s:.2f} s → **{n / sim_s:,.0f} requests/s**, "
           f"{steps / sim_s:,.0f} engine steps/s |")
     print(f"| one config: compile | {compile_s:.2f} s |")
+    print(f"| one config: slot table | {slots} slots (max_num_seqs {config.scheduler.max_num_seqs}) |")
     print(f"| one config: loop iterations | {iterations:,} ({iterations / n:.2f} per request, "
           f"{steps / iterations:.1f} engine steps each), {sim_s / iterations * 1e6:.0f} µs per iteration |")
     print(f"| {len(schedulers)} configs, one simulate_many call | {many_s:.1f} s → "
           f"**{len(schedulers) * n / many_s:,.0f} config·requests/s** (first call with compile {first_many:.1f} s) |")
-    print(f"| one config (roofline): simulate | {r_sim_s:.2f} s, {r_sim_s / sim_s:.2f}× the linear model's "
-          f"(compile {r_compile_s:.2f} s, {r_steps:,} steps) |")
+    print(f"| one config (roofline): simulate | {r_sim_s:.2f} s (compile {r_compile_s:.2f} s, {r_steps:,} steps, "
+          f"{r_slots} slots) |")
+    print(f"| roofline vs linear at {r_slots} slots | {r_equal_s:.2f} s vs {l_equal_s:.2f} s: "
+          f"**{r_equal_s / l_equal_s:.2f}×** |")
     print(f"| CLI end to end (`servetune simulate {CONFIG.relative_to(ROOT)}`) | {cli_s:.1f} s |")
 
 
