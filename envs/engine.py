@@ -356,7 +356,7 @@ def _form_static_batch(trace, params, state, front: Slots, valid, timeout, num_s
         queue_head=(state.queue_head + count) % trace.prompt.shape[0],
         queue_len=state.queue_len - count,
         free_blocks=state.free_blocks - jnp.sum(jnp.where(take, blocks, 0)),
-    ), count
+    )
 
 
 def _running_pass(params, state, num_slots):
@@ -467,98 +467,128 @@ def _waiting_pass(trace, params, state, front: Slots, valid, slots, budget_left,
 # ---------------------------------------------------------------------------------------------
 # Executing scheduled steps
 # ---------------------------------------------------------------------------------------------
-def _batch_summary(slots: Slots, tokens, decode_steps_ahead):
-    """The StepBatch of a step and of the identical decode steps that may follow it."""
+def _batch_summary(slots: Slots, tokens):
+    """The StepBatch of the scheduled step, and which scheduled requests count as decodes."""
     scheduled = tokens > 0
     is_decode = scheduled & (tokens == 1) & (slots.generated >= 1)
     is_prefill = scheduled & ~is_decode
     c = slots.computed.astype(f32)
     q = tokens.astype(f32)
-    num_decode = jnp.sum(is_decode).astype(f32)
     return StepBatch(
         num_prefill_seqs=jnp.sum(is_prefill).astype(f32),
         prefill_tokens=jnp.sum(jnp.where(is_prefill, q, 0.0)),
         prefill_context_tokens=jnp.sum(jnp.where(is_prefill, c + q, 0.0)),
         prefill_attention_pairs=jnp.sum(jnp.where(is_prefill, q * (c + q / 2), 0.0)),
-        num_decode_seqs=num_decode,
-        decode_context_tokens=jnp.sum(jnp.where(is_decode, c + 1, 0.0)) + decode_steps_ahead * num_decode,
-    ), is_decode
+        num_decode_seqs=jnp.sum(is_decode).astype(f32),
+        decode_context_tokens=jnp.sum(jnp.where(is_decode, c + 1, 0.0)),
+    )
 
 
-def _advance(trace, params, state, slots, tokens, admitted_any, cost_fn, num_slots):
-    """Run the scheduled step, and the identical decode steps after it that precede any event.
+def _gap_stats(samples, weights):
+    """(max, sum of squares) of the gap samples that have weight."""
+    counted = weights > 0
+    return jnp.max(jnp.where(counted, samples, 0.0)), jnp.sum(jnp.where(counted, samples * samples, 0.0))
 
-    With nothing scheduled (all `tokens` zero) it writes nothing to the request table or histogram.
+
+def _advance(trace, params, state, slots, tokens, cost_fn, num_slots):
+    """Run the scheduled step, then the all-decode steps that follow it before any event.
+
+    After the scheduled step (step 0), if every running request is decoding, all of them fit the token
+    budget, none finished and no waiting request could be admitted, the next steps are identical except
+    that every context grows by one token: steps 1..k-1 decode every running request, until an arrival,
+    a completion, the horizon, running out of KV blocks, or LOOKAHEAD_STEPS. With nothing scheduled (all
+    `tokens` zero) it writes nothing to the request table or histogram.
     """
     pos = jnp.arange(num_slots, dtype=i32)
     running = pos < state.num_running
     scheduled = tokens > 0
-    ahead = jnp.arange(LOOKAHEAD_STEPS, dtype=f32)
-    batch, is_decode = _batch_summary(slots, tokens, ahead)
-    durations = jnp.broadcast_to(cost_fn(params.cost, batch), ahead.shape).astype(f32)
-    starts = _exclusive_cumsum(durations)
+    num_running = state.num_running
 
-    # How many steps repeat the first one before an event: only a step of true decodes can repeat. A
-    # one-token chunk of a preempted request's recompute is costed as a decode but emits nothing.
-    emits_now = slots.computed + tokens == slots.prompt + slots.generated
-    all_decode = jnp.all(is_decode == scheduled) & jnp.all(~is_decode | emits_now) & ~admitted_any
-    remaining = jnp.min(jnp.where(is_decode, slots.output - slots.generated, NO_LIMIT))
+    # Step 0, the scheduled step.
+    emits0 = scheduled & (slots.computed + tokens == slots.prompt + slots.generated)
+    computed0 = slots.computed + tokens
+    generated0 = slots.generated + emits0
+    finished0 = running & (generated0 >= slots.output)
+
+    # Steps 1.., in which every running request decodes once.
+    # A decode needs one token and has emitted before (a prompt's last token is a prefill chunk).
+    decoding = (computed0 + 1 == slots.prompt + generated0) & (generated0 >= 1)
+    no_admission = (params.static_batching | (state.queue_len == 0) | (num_running >= params.max_num_seqs)
+                    | (params.max_num_batched_tokens <= num_running))
+    continues = (jnp.all(~running | decoding) & ~jnp.any(finished0) & no_admission
+                 & (num_running <= params.max_num_batched_tokens))
+    j = jnp.arange(LOOKAHEAD_STEPS, dtype=i32)
+    first = _batch_summary(slots, tokens)
+    later_context = jnp.sum(jnp.where(running, computed0 + 1, 0)).astype(f32) + (j - 1).astype(f32) * num_running
+    zero = j == 0
+    batch = StepBatch(
+        num_prefill_seqs=jnp.where(zero, first.num_prefill_seqs, 0.0),
+        prefill_tokens=jnp.where(zero, first.prefill_tokens, 0.0),
+        prefill_context_tokens=jnp.where(zero, first.prefill_context_tokens, 0.0),
+        prefill_attention_pairs=jnp.where(zero, first.prefill_attention_pairs, 0.0),
+        num_decode_seqs=jnp.where(zero, first.num_decode_seqs, num_running.astype(f32)),
+        decode_context_tokens=jnp.where(zero, first.decode_context_tokens, later_context),
+    )
+    durations = jnp.broadcast_to(cost_fn(params.cost, batch), j.shape).astype(f32)
+    starts = _exclusive_cumsum(durations)
+    remaining = jnp.min(jnp.where(running, slots.output - generated0, NO_LIMIT))
     n = trace.prompt.shape[0]
     nxt = jnp.minimum(state.next_arrival, n - 1)
     to_arrival = jnp.where(
         state.next_arrival < n,
         _df_sub(trace.arrival_hi[nxt], trace.arrival_lo[nxt], state.clock_hi, state.clock_lo), jnp.inf)
     to_horizon = _df_sub(params.horizon_hi, params.horizon_lo, state.clock_hi, state.clock_lo)
-    j = jnp.arange(LOOKAHEAD_STEPS, dtype=i32)
-    # Step j of the run needs blocks for computed + j + 1 tokens per decode. A decode with `spare` free
-    # token positions in its blocks needs ceil((j - spare) / block_size) new ones by step j; counting
-    # decodes by `spare` makes this a (look-ahead x look-ahead) product, whatever the slot count.
-    spare = slots.blocks * params.block_size - slots.computed - 1
-    spare_counts = jnp.zeros(LOOKAHEAD_STEPS, i32).at[jnp.where(is_decode, spare, LOOKAHEAD_STEPS)].add(1, mode="drop")
+    # Step j >= 1 needs blocks for computed0 + j tokens per request. A request with `spare` free token
+    # positions in its blocks needs ceil((j - spare) / block_size) new ones by step j; counting requests by
+    # `spare` makes this a (look-ahead x look-ahead) product, whatever the slot count.
+    spare = slots.blocks * params.block_size - computed0
+    spare_counts = jnp.zeros(LOOKAHEAD_STEPS, i32).at[jnp.where(running, spare, LOOKAHEAD_STEPS)].add(1, mode="drop")
     blocks_by_step = _ceil_div(jnp.maximum(j[:, None] - j[None, :], 0), params.block_size)
     new_blocks = blocks_by_step @ spare_counts
-    repeatable = (
-        (j == 0)
-        | (all_decode & (j < remaining) & (starts < to_arrival) & (starts < to_horizon)
-           & (new_blocks <= state.free_blocks))
-    )
+    repeatable = zero | (continues & (j <= remaining) & (starts < to_arrival) & (starts < to_horizon)
+                         & (new_blocks <= state.free_blocks))
     run = _prefix_and(repeatable)
     k = jnp.sum(run, dtype=i32)
+    extra = k - 1
     total = jnp.sum(jnp.where(run, durations, 0.0))
+    first_end = _df_add(state.clock_hi, state.clock_lo, durations[0])
     end_hi, end_lo = _df_add(state.clock_hi, state.clock_lo, total)
 
-    # Token emission: a request whose computed tokens reach its length emits; a repeated decode emits
-    # once per step.
-    emits = scheduled & emits_now
-    emitted = jnp.where(emits, k, 0)
+    # Inter-token gaps: at step 0 for requests that emit and had emitted before; at step 1 for every
+    # running request (a decode always has emitted); from step 2 on, each step's duration, once per request.
     had_token = slots.generated >= 1
-    first_gap = slots.gap + durations[0]
-    later = (j >= 1) & run
-    later_max = jnp.max(jnp.where(later, durations, 0.0))
-    later_sq = jnp.sum(jnp.where(later, durations * durations, 0.0))
-    counts_gap = emits & had_token
-    max_gap = jnp.where(counts_gap, jnp.maximum(slots.max_gap, first_gap), slots.max_gap)
-    max_gap = jnp.where(emits & (k > 1), jnp.maximum(max_gap, later_max), max_gap)
-    sum_sq = slots.sum_sq_gap + jnp.where(counts_gap, first_gap * first_gap, 0.0) + jnp.where(emits, later_sq, 0.0)
-    hist = state.itl_histogram.at[_itl_bin(first_gap)].add(counts_gap.astype(i32))
-    hist = hist.at[_itl_bin(durations)].add(jnp.where(later, jnp.sum(is_decode, dtype=i32), 0))
+    sample0 = slots.gap + durations[0]
+    weight0 = (emits0 & had_token).astype(i32)
+    gap0 = jnp.where(emits0, 0.0, sample0)
+    sample1 = gap0 + durations[1]
+    weight1 = (running & (extra > 0)).astype(i32)
+    from_two = (j >= 2) & run
+    max_rest, sq_rest = _gap_stats(durations, from_two.astype(i32))
+    max_gap = jnp.where(weight0 > 0, jnp.maximum(slots.max_gap, sample0), slots.max_gap)
+    max_gap = jnp.where(weight1 > 0, jnp.maximum(max_gap, jnp.maximum(sample1, max_rest)), max_gap)
+    sum_sq = (slots.sum_sq_gap + jnp.where(weight0 > 0, sample0 * sample0, 0.0)
+              + jnp.where(weight1 > 0, sample1 * sample1 + sq_rest, 0.0))
+    hist = state.itl_histogram.at[_itl_bin(sample0)].add(weight0)
+    hist = hist.at[_itl_bin(sample1)].add(weight1)
+    hist = hist.at[_itl_bin(durations)].add(jnp.where(from_two, num_running, 0))
 
-    computed = slots.computed + jnp.where(scheduled, tokens + k - 1, 0)
-    generated = slots.generated + emitted
-    blocks = jnp.where(is_decode, jnp.maximum(slots.blocks, _ceil_div(computed, params.block_size)), slots.blocks)
+    grow = jnp.where(running, extra, 0)
+    computed = computed0 + grow
+    generated = generated0 + grow
+    blocks = jnp.where(running & (extra > 0), jnp.maximum(slots.blocks, _ceil_div(computed, params.block_size)),
+                       slots.blocks)
     finished = running & (generated >= slots.output)
-    gap = jnp.where(emits, 0.0, slots.gap + total)
+    gap = jnp.where(extra > 0, 0.0, gap0)
     slots = replace(slots,
         computed=computed, generated=generated, blocks=blocks,
         gap=gap, max_gap=max_gap, sum_sq_gap=sum_sq)
 
     req = state.requests
     arrival_hi, arrival_lo = trace.arrival_hi[slots.req], trace.arrival_lo[slots.req]
-    latency = _df_sub(end_hi, end_lo, arrival_hi, arrival_lo)
-    first_token = emits & ~had_token
+    first_token = emits0 & ~had_token
     req = replace(req,
-        ttft=_set_where(req.ttft, slots.req, latency, first_token),
-        e2el=_set_where(req.e2el, slots.req, latency, finished),
+        ttft=_set_where(req.ttft, slots.req, _df_sub(*first_end, arrival_hi, arrival_lo), first_token),
+        e2el=_set_where(req.e2el, slots.req, _df_sub(end_hi, end_lo, arrival_hi, arrival_lo), finished),
         status=_set_where(req.status, slots.req, DONE, finished),
         generated=_set_where(req.generated, slots.req, generated, finished),
         max_gap=_set_where(req.max_gap, slots.req, max_gap, finished),
@@ -567,7 +597,7 @@ def _advance(trace, params, state, slots, tokens, admitted_any, cost_fn, num_slo
 
     used_blocks = params.num_kv_blocks - state.free_blocks
     kv_seconds = jnp.sum(jnp.where(run, (used_blocks + new_blocks).astype(f32) * durations, 0.0))
-    in_system = (state.queue_len + state.num_running).astype(f32) * total
+    in_system = (state.queue_len + num_running).astype(f32) * total
     freed = jnp.sum(jnp.where(finished, blocks, 0))
     free = params.num_kv_blocks - jnp.sum(jnp.where(running, blocks, 0)) + freed
 
@@ -580,7 +610,7 @@ def _advance(trace, params, state, slots, tokens, admitted_any, cost_fn, num_slo
         slots=slots, num_running=jnp.sum(keep, dtype=i32),
         free_blocks=free, requests=req,
         steps=state.steps + k,
-        scheduled_seqs=state.scheduled_seqs + k * jnp.sum(scheduled, dtype=i32),
+        scheduled_seqs=state.scheduled_seqs + jnp.sum(scheduled, dtype=i32) + extra * num_running,
         kv_block_seconds=state.kv_block_seconds + kv_seconds,
         in_system_seconds=state.in_system_seconds + in_system,
         itl_histogram=hist,
@@ -634,7 +664,7 @@ def _iteration(trace, params, state, cost_fn, num_slots):
 
     front, front_valid = _queue_front(trace, state, arrived, num_slots)
     timeout = _static_timeout(trace, params, front)
-    engine, formed = _form_static_batch(trace, params, state, front, front_valid, timeout, num_slots)
+    engine = _form_static_batch(trace, params, state, front, front_valid, timeout, num_slots)
     slots, tokens, preempted, end, free = _running_pass(params, engine, num_slots)
     preempted = preempted & active
     tokens = jnp.where(active, tokens, 0)
@@ -648,10 +678,9 @@ def _iteration(trace, params, state, cost_fn, num_slots):
                          num_slots)
     engine = replace(engine, queue=queue, slots=slots, num_running=end + admitted, free_blocks=free)
     tokens = tokens + admitted_tokens
-    changed_set = (formed > 0) | (admitted > 0) | jnp.any(preempted)
 
     busy = jnp.any(tokens > 0)
-    stepped = _advance(trace, params, engine, slots, tokens, changed_set, cost_fn, num_slots)
+    stepped = _advance(trace, params, engine, slots, tokens, cost_fn, num_slots)
     idled = _idle(trace, params, state, timeout)
     new = _choose(active, _choose(busy, stepped, idled), state)
     # The slot count is a capacity bound, not a knob: if it ever binds, the caller reruns with more.
