@@ -513,8 +513,12 @@ def _advance(trace, params, state, slots, tokens, cost_fn, num_slots):
     # Steps 1.., in which every running request decodes once.
     # A decode needs one token and has emitted before (a prompt's last token is a prefill chunk).
     decoding = (computed0 + 1 == slots.prompt + generated0) & (generated0 >= 1)
-    no_admission = (params.static_batching | (state.queue_len == 0) | (num_running >= params.max_num_seqs)
+    # Whatever arrives, nobody is admitted while every seat or the whole budget is taken (or a static batch
+    # runs); then arrivals need not end the run either: while nothing leaves the queue, processing them
+    # at the run's end decides the same rejections.
+    seats_closed = (params.static_batching | (num_running >= params.max_num_seqs)
                     | (params.max_num_batched_tokens <= num_running))
+    no_admission = seats_closed | (state.queue_len == 0)
     continues = (jnp.all(~running | decoding) & ~jnp.any(finished0) & no_admission
                  & (num_running <= params.max_num_batched_tokens))
     j = jnp.arange(LOOKAHEAD_STEPS, dtype=i32)
@@ -535,7 +539,7 @@ def _advance(trace, params, state, slots, tokens, cost_fn, num_slots):
     n = trace.prompt.shape[0]
     nxt = jnp.minimum(state.next_arrival, n - 1)
     to_arrival = jnp.where(
-        state.next_arrival < n,
+        (state.next_arrival < n) & ~seats_closed,
         _df_sub(trace.arrival_hi[nxt], trace.arrival_lo[nxt], state.clock_hi, state.clock_lo), jnp.inf)
     to_horizon = _df_sub(params.horizon_hi, params.horizon_lo, state.clock_hi, state.clock_lo)
     # Step j >= 1 needs blocks for computed0 + j tokens per request. A request with `spare` free token
