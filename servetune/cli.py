@@ -12,6 +12,7 @@ from rich.table import Table
 
 from servetune.config_loader import load_config
 from servetune.cost_models import cli as cost_cli
+from servetune.search import cli as search_cli
 from servetune.errors import UserError
 
 
@@ -43,6 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     simulate.set_defaults(func=run_simulate)
 
     cost_cli.register(sub)
+    search_cli.register(sub)
     return parser
 
 

@@ -80,6 +80,32 @@ class SimulationConfig:
 
 
 @dataclass(frozen=True)
+class KnobConfig:
+    """One searched knob: a range (``low``..``high``, optionally on a log scale or in steps) or ``choices``."""
+    low: Any = None                  # low, high, step: numbers of the knob's own type (int or float)
+    high: Any = None
+    log: bool = False
+    step: Any = None
+    choices: Any = None              # a list of values; the loader keeps it as a tuple
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    """What ``servetune tune`` searches and how; the command line overrides any of it."""
+    knobs: Any = None                # {scheduler.max_num_seqs: {low: 1, high: 512, log: true}, ...}; null: defaults
+                                     # per policy (search/space.py); kept as a tuple of (key, KnobConfig) pairs
+    objectives: Any = ("goodput",)   # any of goodput, p99_ttft, p99_itl, gpus
+    sampler: str = "tpe"             # tpe | cmaes | nsga2 | gp | random | grid
+    trials: int = 100
+    batch_size: int = 8              # trials simulated together in one vmapped call
+    seed: int = 0                    # the sampler's seed: the same seed gives the same study
+    workload_seeds: Any = None       # [0, 1, 2]: every trial runs each seed, reports the mean and keeps the spread
+    scenarios: Any = None            # [{workload.arrivals.rate: 6.0}, ...]: every trial runs each variant of the config
+    aggregate: str = "mean"          # mean | worst: how the scenarios' results combine
+    baselines: bool = True           # enqueue vLLM's default and well-known settings as the first trials
+
+
+@dataclass(frozen=True)
 class Config:
     model: str = "llama-2-7b"
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
@@ -88,6 +114,7 @@ class Config:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     slo: SloConfig = field(default_factory=SloConfig)
     simulation: SimulationConfig = field(default_factory=SimulationConfig)
+    search: SearchConfig = field(default_factory=SearchConfig)
     source: Optional[str] = field(default=None, compare=False)  # file the config came from, for messages
 
     def to_dict(self) -> dict:

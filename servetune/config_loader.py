@@ -22,10 +22,11 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import yaml
 
-from servetune.config import Config, LengthsConfig, WorkloadConfig
+from servetune.config import Config, KnobConfig, LengthsConfig, SearchConfig, WorkloadConfig
 from servetune.envs.traces import TRACE_PARSERS
 from servetune.envs.workload import MAX_TOKEN_COUNT
-from servetune.errors import ConfigError
+from servetune.errors import ConfigError, UserError
+from servetune.search.objectives import OBJECTIVES, parse_objectives
 
 # `Config.source` records where a config came from; it is not something a user writes.
 _INTERNAL_FIELDS = {"source"}
@@ -83,6 +84,9 @@ FIELD_RANGES: dict[str, Range] = {
     "slo.e2el_ms": POSITIVE,
     "slo.attainment_target": Range(low=0, high=1, low_open=True),
     "simulation.horizon_s": POSITIVE,
+    "search.trials": AT_LEAST_ONE,
+    "search.batch_size": AT_LEAST_ONE,
+    "search.seed": NON_NEGATIVE,
 }
 
 FIELD_CHOICES: dict[str, tuple[str, ...]] = {
@@ -91,7 +95,12 @@ FIELD_CHOICES: dict[str, tuple[str, ...]] = {
     "workload.arrivals.format": tuple(TRACE_PARSERS),
     "workload.lengths.kind": ("fixed", "uniform", "trace"),
     "scheduler.policy": ("continuous", "static"),
+    "search.sampler": ("tpe", "cmaes", "nsga2", "gp", "random", "grid"),
+    "search.aggregate": ("mean", "worst"),
 }
+
+# Sections whose fields `search.knobs` may search: the engine's knobs and the hardware it runs on.
+SEARCHABLE_SECTIONS = ("scheduler", "hardware")
 
 _TOKEN_COUNT_RANGE = Range(low=1, high=MAX_TOKEN_COUNT)
 
@@ -385,7 +394,137 @@ def _check_cross_field(config: Config, report: _Reporter, base_dir: Path) -> Con
         )
     if config.cost_model.kind == "calibrated" and config.cost_model.profile is None:
         raise report.bad_value("cost_model.profile", None, "a fitted profile for the calibrated cost model")
-    return dataclasses.replace(config, workload=_check_workload(config.workload, report, base_dir))
+    config = dataclasses.replace(config, workload=_check_workload(config.workload, report, base_dir))
+    return dataclasses.replace(config, search=_check_search(config, report, base_dir))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The search section: knobs name fields of the searchable sections and stay inside those fields' rules;
+# scenarios are variants of the whole config and must each be a valid config.
+
+def _searchable_field(key: str, report: _Reporter) -> tuple[Any, bool]:
+    """(type, nullable) of the config field a knob searches, or a ConfigError naming the knob."""
+    section, _, name = key.partition(".")
+    if section not in SEARCHABLE_SECTIONS:
+        raise report.error(f"search.knobs.{key}", f"not searchable; expected a field of "
+                                                  f"{' or '.join(SEARCHABLE_SECTIONS)}, such as scheduler.max_num_seqs")
+    section_cls = typing.get_type_hints(Config)[section]
+    fields = _user_fields(section_cls)
+    if name not in fields:
+        raise report.error(*_unknown_key(name, list(fields), f"search.knobs.{section}"))
+    return _unwrap_optional(typing.get_type_hints(section_cls)[name])
+
+
+def _fits_field(value: Any, hint: Any, key: str, nullable: bool) -> bool:
+    if value is None:
+        return nullable
+    bounds, choices = FIELD_RANGES.get(key), FIELD_CHOICES.get(key)
+    return _has_type(value, hint) and not (bounds and not bounds.contains(value)) and not (choices and value not in choices)
+
+
+def _check_knob(key: str, data: Any, report: _Reporter) -> KnobConfig:
+    hint, nullable = _searchable_field(key, report)
+    where = f"search.knobs.{key}"
+    knob = _build_section(KnobConfig, data, where, report)
+    if knob.choices is not None:
+        if knob.low is not None or knob.high is not None or knob.step is not None or knob.log:
+            raise report.error(where, "expected either choices or a range (low, high, log, step), not both")
+        if not isinstance(knob.choices, (list, tuple)) or not knob.choices:
+            raise report.bad_value(f"{where}.choices", knob.choices, "a non-empty list of values")
+        for value in knob.choices:
+            if not _fits_field(value, hint, key, nullable):
+                raise report.bad_value(f"{where}.choices", value, _expectation(hint, key, nullable))
+        if len(set(map(repr, knob.choices))) != len(knob.choices):
+            raise report.bad_value(f"{where}.choices", knob.choices, "each value once")
+        return dataclasses.replace(knob, choices=tuple(knob.choices))
+    if hint not in (int, float):
+        raise report.bad_value(where, data, f"choices: a list of values ({_TYPE_NAMES[hint]}), since {key} "
+                                            "is not a number")
+    for bound in ("low", "high"):
+        value = getattr(knob, bound)
+        if value is None:
+            raise report.bad_value(f"{where}.{bound}", None, f"{_TYPE_NAMES[hint]} (or give choices instead)")
+        if not _fits_field(value, hint, key, False):
+            raise report.bad_value(f"{where}.{bound}", value, _expectation(hint, key, False))
+    if knob.low > knob.high:
+        raise report.bad_value(f"{where}.high", knob.high, f"≥ low ({knob.low:g})")
+    if knob.log and knob.low <= 0:
+        raise report.bad_value(f"{where}.low", knob.low, "> 0 on a log scale")
+    if knob.step is not None:
+        if knob.log:
+            raise report.bad_value(f"{where}.step", knob.step, "null on a log scale (a log range has no step)")
+        if not (_has_type(knob.step, hint) and knob.step > 0):
+            raise report.bad_value(f"{where}.step", knob.step, f"{_TYPE_NAMES[hint]} > 0")
+    if hint is float:
+        return dataclasses.replace(knob, **{name: None if getattr(knob, name) is None else float(getattr(knob, name))
+                                            for name in ("low", "high", "step")})
+    return knob
+
+
+def _check_knobs(data: Any, report: _Reporter) -> tuple:
+    if not isinstance(data, dict) or not data:
+        raise report.bad_value("search.knobs", data, "a mapping of knob to range or choices, such as "
+                                                     "{scheduler.max_num_seqs: {low: 1, high: 512, log: true}}")
+    return tuple((str(key), _check_knob(str(key), spec, report)) for key, spec in data.items())
+
+
+def _check_seeds(seeds: Any, report: _Reporter) -> tuple:
+    expected = "a non-empty list of distinct integers ≥ 0"
+    if not isinstance(seeds, (list, tuple)) or not seeds or len(set(seeds)) != len(seeds):
+        raise report.bad_value("search.workload_seeds", seeds, expected)
+    for seed in seeds:
+        if not (_has_type(seed, int) and seed >= 0):
+            raise report.bad_value("search.workload_seeds", seed, expected)
+    return tuple(seeds)
+
+
+def _set_dotted(data: dict, key: str, value: Any) -> None:
+    *sections, leaf = key.split(".")
+    for section in sections:
+        if not isinstance(data.get(section), dict):
+            data[section] = {}
+        data = data[section]
+    data[leaf] = value
+
+
+def _check_scenarios(config: Config, scenarios: Any, report: _Reporter, base_dir: Path) -> tuple:
+    """Each scenario as a tuple of (dotted key, value) pairs, after checking that it makes a valid config."""
+    expected = "a non-empty list of mappings of config key to value, such as [{workload.arrivals.rate: 6.0}]"
+    if not isinstance(scenarios, (list, tuple)) or not scenarios:
+        raise report.bad_value("search.scenarios", scenarios, expected)
+    base = dataclasses.asdict(config)
+    base.pop("source")
+    base.pop("search")
+    checked = []
+    for index, scenario in enumerate(scenarios):
+        where = f"search.scenarios[{index}]"
+        if not isinstance(scenario, dict) or not scenario:
+            raise report.bad_value(where, scenario, expected)
+        data = _deep_copy(base)
+        for key, value in scenario.items():
+            if not isinstance(key, str) or key.split(".")[0] == "search":
+                raise report.bad_value(where, key, "keys outside the search section, such as workload.arrivals.rate")
+            _set_dotted(data, key, value)
+        _build_config(data, f"{report.source}: {where}", base_dir, _Reporter(f"{report.source}: {where}"))
+        checked.append(tuple((key, tuple(value) if isinstance(value, list) else value)
+                             for key, value in scenario.items()))
+    return tuple(checked)
+
+
+def _check_search(config: Config, report: _Reporter, base_dir: Path) -> SearchConfig:
+    search = config.search
+    knobs = None if search.knobs is None else _check_knobs(search.knobs, report)
+    names = [search.objectives] if isinstance(search.objectives, str) else search.objectives
+    if not isinstance(names, (list, tuple)) or not all(isinstance(name, str) for name in names):
+        raise report.bad_value("search.objectives", search.objectives, f"a list of {', '.join(OBJECTIVES)}")
+    try:
+        parse_objectives(names, "search.objectives")
+    except UserError as error:
+        raise report.error("search.objectives", str(error).partition(": ")[2]) from None
+    seeds = None if search.workload_seeds is None else _check_seeds(search.workload_seeds, report)
+    scenarios = None if search.scenarios is None else _check_scenarios(config, search.scenarios, report, base_dir)
+    return dataclasses.replace(search, knobs=knobs, objectives=tuple(names), workload_seeds=seeds,
+                               scenarios=scenarios)
 
 
 def _trace_defaults(data: dict) -> dict:

@@ -1,0 +1,285 @@
+"""The search subcommands: ``tune``, ``capacity``, ``sweep`` and ``export``.
+
+``register(subparsers)`` adds them to the main ``servetune`` parser; each handler takes the parsed arguments
+and returns the exit code. User mistakes raise ``UserError`` for the main CLI to print.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from servetune.config import Config
+from servetune.config_loader import FIELD_CHOICES, load_config
+from servetune.errors import UserError
+from servetune.search.export import ENGINES
+from servetune.search.storage import DEFAULT_STORAGE
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    tune = subparsers.add_parser("tune", help="search scheduler knobs for the best goodput (an Optuna study)")
+    _add_config(tune)
+    tune.add_argument("--trials", type=int, help="COMPLETE trials the study should hold (default: search.trials)")
+    tune.add_argument("--objectives", help="comma-separated: goodput, p99_ttft, p99_itl, gpus "
+                                           "(default: search.objectives, goodput)")
+    tune.add_argument("--sampler", choices=FIELD_CHOICES["search.sampler"], help="default: search.sampler, tpe")
+    tune.add_argument("--batch-size", type=int, help="trials simulated together (default: search.batch_size)")
+    tune.add_argument("--seed", type=int, help="the sampler's seed (default: search.seed)")
+    tune.add_argument("--no-baselines", action="store_true", help="do not enqueue vLLM's defaults first")
+    _add_study(tune, required=False)
+    tune.add_argument("--no-progress", action="store_true", help="no progress bar")
+    tune.add_argument("--json", action="store_true", help="print the best trial(s) and baselines as JSON")
+    tune.set_defaults(func=run_tune)
+
+    capacity = subparsers.add_parser("capacity", help="highest arrival rate at which SLO attainment meets the target")
+    capacity.add_argument("config", nargs="?", help="YAML config (or give --study)")
+    capacity.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                          help="override a config field (repeatable)")
+    _add_study(capacity, required=False)
+    capacity.add_argument("--trial", type=int, help="with --study: this trial instead of the best")
+    capacity.add_argument("--tolerance", type=float, default=0.02,
+                          help="relative width of the final bracket (default %(default)s)")
+    capacity.add_argument("--target", type=float, help="SLO attainment to meet (default: slo.attainment_target)")
+    capacity.add_argument("--json", action="store_true", help="print one JSON object")
+    capacity.set_defaults(func=run_capacity)
+
+    sweep = subparsers.add_parser("sweep", help="one knob across values: metrics, CSV and a plot with the knee")
+    _add_config(sweep)
+    sweep.add_argument("--param", required=True, help="dotted config key, e.g. scheduler.max_num_seqs")
+    sweep.add_argument("--values", required=True, help="comma-separated values, e.g. 1,2,4,8,16")
+    sweep.add_argument("--out", type=Path, help="CSV path; the plot is written next to it as .png "
+                                                "(default results/sweep-CONFIG-PARAM.csv)")
+    sweep.add_argument("--batch-size", type=int, default=8, help="configs simulated together (default %(default)s)")
+    sweep.set_defaults(func=run_sweep)
+
+    export = subparsers.add_parser("export", help="write a study's best trial as an engine's config file")
+    _add_study(export, required=True)
+    export.add_argument("--trial", type=int, help="this trial (a Pareto point) instead of the best")
+    export.add_argument("--engine", choices=ENGINES, default="vllm", help="default %(default)s")
+    export.add_argument("--out", type=Path, help="file to write (default: print)")
+    export.set_defaults(func=run_export)
+
+
+def _add_config(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="YAML config (see examples/)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config field, e.g. --set workload.num_requests=500 (repeatable)")
+
+
+def _add_study(parser: argparse.ArgumentParser, required: bool) -> None:
+    parser.add_argument("--study", required=required,
+                        help="study name" + ("" if required else " (tune: default the config file's name)"))
+    parser.add_argument("--storage", help=f"Optuna storage: a database URL, a .db file or a .journal file "
+                                          f"(default {DEFAULT_STORAGE})")
+
+
+def _positive(name: str, value: Optional[int]) -> None:
+    if value is not None and value < 1:
+        raise UserError(f"{name}: got {value}, expected an integer ≥ 1")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# tune
+
+def run_tune(args: argparse.Namespace) -> int:
+    from servetune.search.evaluate import use_persistent_compilation_cache
+    from servetune.search.objectives import parse_objectives
+    from servetune.search.study import best_trials, run_study
+
+    _positive("--trials", args.trials)
+    _positive("--batch-size", args.batch_size)
+    config = load_config(args.config, args.overrides)
+    changes = {"trials": args.trials, "sampler": args.sampler, "batch_size": args.batch_size, "seed": args.seed}
+    if args.objectives is not None:
+        names = tuple(name.strip() for name in args.objectives.split(",") if name.strip())
+        changes["objectives"] = tuple(o.name for o in parse_objectives(names, f"--objectives {args.objectives}"))
+    if args.no_baselines:
+        changes["baselines"] = False
+    search = dataclasses.replace(config.search, **{k: v for k, v in changes.items() if v is not None})
+    config = dataclasses.replace(config, search=search)
+    name = args.study or Path(args.config).stem
+    use_persistent_compilation_cache()
+    study = run_study(config, name, args.storage, show_progress=not args.no_progress)
+    best = best_trials(study)
+    baseline_trials = [t for t in study.get_trials(deepcopy=False) if "baseline" in t.user_attrs
+                       and t.values is not None]
+    if args.json:
+        print(json.dumps({"study": name, "storage": args.storage or DEFAULT_STORAGE,
+                          "best": [_trial_summary(t) for t in best],
+                          "baselines": [_trial_summary(t) for t in baseline_trials]}))
+        return 0
+    console = Console()
+    _print_trials(console, study, best, baseline_trials)
+    console.print(f"export with: servetune export --study {name}"
+                  f"{'' if args.storage is None else ' --storage ' + args.storage} --engine vllm "
+                  f"--out {name}.vllm.yaml")
+    return 0
+
+
+SUMMARY_METRICS = ("request_goodput", "slo_attainment", "p99_ttft_ms", "p99_itl_ms", "p99_tpot_ms", "gpus_needed")
+
+
+def _trial_summary(trial) -> dict:
+    from servetune.search.study import is_feasible
+
+    return {"trial": trial.number, "baseline": trial.user_attrs.get("baseline"), "params": trial.params,
+            "values": trial.values, "meets_slo_target": is_feasible(trial),
+            **{name: trial.user_attrs.get(name) for name in SUMMARY_METRICS}}
+
+
+def _print_trials(console: Console, study, best: list, baseline_trials: list) -> None:
+    from servetune.search.study import is_feasible
+
+    table = Table(title=f"study {study.study_name}: best trial(s) and the baselines")
+    for column in ("trial", "", "goodput req/s", "vs vLLM default", "attainment", "p99 TTFT ms", "p99 ITL ms",
+                   "meets target"):
+        table.add_column(column, justify="left" if column in ("", "trial") else "right")
+    reference = next((t.user_attrs.get("request_goodput") for t in baseline_trials
+                      if t.user_attrs.get("baseline") == "vllm-default"), None)
+    for label, trials in (("best", best), ("baseline", baseline_trials)):
+        for trial in trials:
+            goodput = trial.user_attrs.get("request_goodput")
+            gain = "—" if not reference or goodput is None else f"{goodput / reference - 1:+.1%}"
+            name = label if label == "best" else trial.user_attrs["baseline"]
+            table.add_row(str(trial.number), name, _cell(goodput), gain, _cell(trial.user_attrs.get("slo_attainment")),
+                          _cell(trial.user_attrs.get("p99_ttft_ms")), _cell(trial.user_attrs.get("p99_itl_ms")),
+                          "yes" if is_feasible(trial) else "no")
+    console.print(table)
+    for trial in best:
+        knobs = ", ".join(f"{key}={_cell(value)}" for key, value in trial.params.items())
+        console.print(f"trial {trial.number}: {knobs}")
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, float):
+        return f"{value:,.3f}" if abs(value) < 100 else f"{value:,.0f}"
+    return str(value)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# capacity
+
+def _config_or_study_trial(args: argparse.Namespace) -> tuple[Config, str]:
+    """The config to measure and a label: a config file, or a study's trial applied to the study's config."""
+    from servetune.search.study import chosen_trial, load_study, trial_config
+
+    if args.study is None:
+        if args.config is None:
+            raise UserError("capacity: give a config file or --study")
+        return load_config(args.config, args.overrides), args.config
+    if args.config is not None or args.overrides:
+        raise UserError("capacity: give a config file or --study, not both (a study carries its config)")
+    study, config = load_study(args.study, args.storage)
+    trial = chosen_trial(study, args.trial)
+    return trial_config(config, trial), f"study {args.study} trial {trial.number}"
+
+
+def run_capacity(args: argparse.Namespace) -> int:
+    from servetune.search.capacity import find_capacity
+    from servetune.search.evaluate import use_persistent_compilation_cache
+
+    if args.target is not None and not 0 < args.target <= 1:
+        raise UserError(f"--target: got {args.target}, expected a fraction in (0, 1]")
+    config, label = _config_or_study_trial(args)
+    use_persistent_compilation_cache()
+    console = Console(stderr=True)
+    with console.status("bracketing the capacity") as status:
+        result = find_capacity(config, args.tolerance, args.target, on_probe=lambda p: status.update(
+            f"probed {p.request_rate:,.2f} req/s: attainment {p.slo_attainment:.1%}"))
+    if args.json:
+        print(json.dumps({**dataclasses.asdict(result), "of": label}))
+        return 0
+    table = Table(title=f"capacity of {label}: probes in order")
+    for column in ("rate scale", "req/s", "SLO attainment", f"≥ {result.target:.0%}"):
+        table.add_column(column, justify="right")
+    for p in result.probes:
+        table.add_row(f"{p.rate_scale:.4g}", f"{p.request_rate:,.3f}", f"{p.slo_attainment:.1%}",
+                      "yes" if p.slo_attainment >= result.target else "no")
+    out = Console()
+    out.print(table)
+    out.print(f"[bold]capacity {result.request_rate:,.3f} req/s[/bold] ({result.rate_scale:.4g}x the configured "
+              f"rate): SLO attainment {result.slo_attainment:.1%} ≥ {result.target:.0%}; the boundary lies below "
+              f"{result.request_rate * (1 + result.tolerance):,.3f} req/s (tolerance {result.tolerance:.0%})")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# sweep
+
+def run_sweep(args: argparse.Namespace) -> int:
+    from servetune.search.evaluate import BatchEvaluator, use_persistent_compilation_cache
+    from servetune.search.sweep import KNEE_LATENCY, KNEE_THROUGHPUT, plot, sweep, write_csv
+
+    _positive("--batch-size", args.batch_size)
+    texts = [text.strip() for text in args.values.split(",") if text.strip()]
+    if not texts:
+        raise UserError(f"--values {args.values}: expected comma-separated values, such as 1,2,4,8")
+    # Each value goes through the config loader as an override, so it is checked like any --set.
+    configs = [load_config(args.config, [*args.overrides, f"{args.param}={text}"]) for text in texts]
+    section, _, name = args.param.partition(".")
+    values = [getattr(getattr(config, section), name) for config in configs]
+    use_persistent_compilation_cache()
+    columns = (TextColumn("[bold]sweep"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True)) as progress:
+        task = progress.add_task("sweep", total=len(configs))
+        result = sweep(configs, args.param, values, BatchEvaluator(args.batch_size),
+                       lambda n: progress.advance(task, n))
+    out = args.out or Path("results") / f"sweep-{Path(args.config).stem}-{args.param.split('.')[-1]}.csv"
+    write_csv(result, out)
+    picture = out.with_suffix(".png")
+    plot(result, picture, f"{args.config}: {args.param} (knee: where {KNEE_THROUGHPUT} / {KNEE_LATENCY} "
+                          "stops improving)")
+    console = Console()
+    table = Table(title=f"{args.config}: {args.param}")
+    for column in (name, "output tok/s", "goodput req/s", "attainment", "p50 TTFT", "p99 TTFT", "p50 TPOT",
+                   "p99 TPOT", "p99 ITL", ""):
+        table.add_column(column, justify="right")
+    for index, (value, row) in enumerate(zip(result.values, result.rows)):
+        table.add_row(_cell(value), *[_cell(row[c]) for c in (
+            "output_throughput", "request_goodput", "slo_attainment", "median_ttft_ms", "p99_ttft_ms",
+            "median_tpot_ms", "p99_tpot_ms", "p99_itl_ms")], "knee" if index == result.knee else "")
+    console.print(table)
+    console.print(f"wrote {out} and {picture}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# export
+
+def run_export(args: argparse.Namespace) -> int:
+    from servetune.pipeline import resolve
+    from servetune.search.evaluate import BatchEvaluator
+    from servetune.search.export import Policy, export
+    from servetune.search.provenance import provenance
+    from servetune.search.study import chosen_trial, load_study, trial_config
+
+    study, config = load_study(args.study, args.storage)
+    trial = chosen_trial(study, args.trial)
+    chosen = trial_config(config, trial)
+    predicted = {key: value for key, value in trial.user_attrs.items()
+                 if key not in ("spread", "scheduler", "hardware", "worker", "baseline", "rerun_of")}
+    origin = provenance(config, BatchEvaluator().workload(config).description, args.study,
+                        args.storage or DEFAULT_STORAGE, trial.number, trial.user_attrs.get("baseline"))
+    policy = Policy(resolve(chosen), chosen.scheduler.num_kv_blocks is not None, predicted,
+                    trial.user_attrs.get("spread"), origin)
+    exported = export(policy, args.engine, str(args.out or "FILE"))
+    for warning in exported.warnings:
+        print(f"servetune: warning: {warning}", file=sys.stderr)
+    if args.out is None:
+        sys.stdout.write(exported.text)
+        return 0
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(exported.text)
+    Console(stderr=True).print(f"wrote {args.out} (study {args.study}, trial {trial.number})")
+    return 0

@@ -1,0 +1,123 @@
+"""Simulating many configs at once: configs that share a workload and a step-time function run together
+through ``simulate_many`` (one vmapped call per batch), and each comes back as its vLLM-keyed metrics.
+
+The engine's cost per step grows with its static slot count (the next power of two at or above the most
+requests one config may run), so a batch holds configs of one slot count: a max_num_seqs of 8 does not pay for
+a neighbour's 512. Batches are padded (by repeating a config) to a power of two no larger than
+``batch_size``, so a study compiles each (slot count, batch width) pair once.
+
+A continuous-batching config whose max_num_seqs exceeds what its KV cache can ever hold runs with the cap
+lowered to that bound (see ``concurrency_bound``); the simulation is the same, only cheaper.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+from servetune.config import Config
+from servetune.cost_models.factory import build_cost_model
+from servetune.envs.metrics import compute_metrics
+from servetune.envs.simulator import num_slots_for, simulate_many
+from servetune.envs.workload import Workload, build_workload
+from servetune.pipeline import resolve
+
+
+def concurrency_bound(config: Config, workload: Workload) -> int:
+    """The most requests a resolved continuous-batching config can ever run at once.
+
+    Every running request holds at least ``⌈shortest prompt / block_size⌉`` blocks (its prompt is reserved at
+    admission and its blocks only grow until it leaves), and admission keeps ``⌊watermark · num_kv_blocks⌋``
+    blocks free; so no more than ``(num_kv_blocks − watermark blocks) // that`` run at once, nor more requests
+    than the workload has. A max_num_seqs above the bound never stops an admission.
+    """
+    scheduler = config.scheduler
+    free_blocks = scheduler.num_kv_blocks - math.floor(scheduler.watermark * scheduler.num_kv_blocks)
+    shortest_prompt = int(workload.prompt_tokens.min()) if workload.num_requests else 1
+    fewest_blocks = max(1, math.ceil(shortest_prompt / scheduler.block_size))
+    return max(1, min(scheduler.max_num_seqs, free_blocks // fewest_blocks, workload.num_requests))
+
+
+class BatchEvaluator:
+    """Metrics of configs, simulated in vmapped batches; workloads and cost models are built once each."""
+
+    def __init__(self, batch_size: int = 8) -> None:
+        self.batch_size = batch_size
+        self._workloads: dict[Any, Workload] = {}
+        self._cost_models: dict[Any, tuple[Callable, Any]] = {}
+
+    def workload(self, config: Config) -> Workload:
+        if config.workload not in self._workloads:
+            self._workloads[config.workload] = build_workload(config.workload)
+        return self._workloads[config.workload]
+
+    def _cost_model(self, config: Config) -> tuple[Callable, Any]:
+        # A relative calibration profile is read from the config's folder, so the folder is part of the key.
+        key = (config.model, config.hardware, config.cost_model, Path(config.source or ".").parent)
+        if key not in self._cost_models:
+            self._cost_models[key] = build_cost_model(config)
+        return self._cost_models[key]
+
+    def evaluate(self, configs: Sequence[Config],
+                 on_simulated: Optional[Callable[[int], None]] = None) -> list[tuple[Config, dict]]:
+        """(the resolved config, its metrics) for each config, in order; ``on_simulated(n)`` after each batch
+        of n. Metrics carry ``truncated`` when the engine's iteration guard stopped the run (a bug in servetune,
+        never a property of the config)."""
+        resolved = [resolve(config) for config in configs]
+        groups: dict[Any, list[int]] = {}
+        runnable = []
+        for index, config in enumerate(resolved):
+            workload = self.workload(config)
+            cost_fn, _ = self._cost_model(config)
+            runnable.append(_runnable(config, workload))
+            slots = num_slots_for([runnable[-1].scheduler])
+            key = (config.workload, config.simulation.horizon_s, cost_fn, slots)
+            groups.setdefault(key, []).append(index)
+        results: list[Optional[dict]] = [None] * len(configs)
+        for indices in groups.values():
+            for start in range(0, len(indices), self.batch_size):
+                chunk = indices[start:start + self.batch_size]
+                for index, metrics in zip(chunk, self._simulate([runnable[i] for i in chunk],
+                                                                [resolved[i] for i in chunk])):
+                    results[index] = metrics
+                if on_simulated:
+                    on_simulated(len(chunk))
+        return list(zip(resolved, results))
+
+    def _simulate(self, runnable: list[Config], resolved: list[Config]) -> list[dict]:
+        width = min(self.batch_size, 1 << math.ceil(math.log2(len(runnable))))
+        padded = runnable + [runnable[-1]] * (width - len(runnable))
+        workload = self.workload(padded[0])
+        cost_fn = self._cost_model(padded[0])[0]
+        outcomes = simulate_many(workload, [c.scheduler for c in padded], cost_fn,
+                                 [self._cost_model(c)[1] for c in padded], padded[0].simulation.horizon_s)
+        return [
+            {**compute_metrics(workload, outcome, config.slo, config.scheduler.num_kv_blocks),
+             "truncated": outcome.totals.truncated}
+            for config, outcome in zip(resolved, outcomes)
+        ]
+
+
+def _runnable(config: Config, workload: Workload) -> Config:
+    """The config as simulated: continuous batching's max_num_seqs lowered to what can ever run at once."""
+    if config.scheduler.policy != "continuous":
+        return config
+    bound = concurrency_bound(config, workload)
+    if bound == config.scheduler.max_num_seqs:
+        return config
+    return dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, max_num_seqs=bound))
+
+
+def use_persistent_compilation_cache(folder: Optional[Path] = None) -> Path:
+    """Keep JAX's compiled engines on disk (``SERVETUNE_JAX_CACHE``, else ~/.cache/servetune/jax), so a
+    search run again -- or resumed -- does not recompile each (slot count, batch width) engine; compiling one
+    takes seconds, far longer than simulating a few hundred requests with it."""
+    import jax
+
+    folder = folder or Path(os.environ.get("SERVETUNE_JAX_CACHE", Path.home() / ".cache" / "servetune" / "jax"))
+    folder.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(folder))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    return folder

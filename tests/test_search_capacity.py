@@ -1,0 +1,73 @@
+"""Capacity by bisection against a brute-force scan of arrival rates, simulated one by one."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from servetune.config_loader import config_from_dict
+from servetune.cost_models.factory import build_cost_model
+from servetune.envs.metrics import compute_metrics
+from servetune.envs.simulator import simulate_workload
+from servetune.envs.workload import build_workload
+from servetune.errors import UserError
+from servetune.pipeline import resolve
+from servetune.search.capacity import find_capacity
+from servetune.search.evaluate import use_persistent_compilation_cache
+
+TOLERANCE = 0.02
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache():
+    use_persistent_compilation_cache()
+
+
+def _config(**slo):
+    return config_from_dict({
+        "workload": {"arrivals": {"kind": "poisson", "rate": 4.0}, "num_requests": 300, "seed": 0,
+                     "lengths": {"kind": "fixed", "prompt_tokens": 512, "output_tokens": 128}},
+        "scheduler": {"max_num_seqs": 16, "num_kv_blocks": 4096},
+        "slo": {"attainment_target": 0.9, **slo},
+    })
+
+
+def _attainment(config, rate: float) -> float:
+    """SLO attainment at ``rate``, simulated on its own (no batching, no search code)."""
+    arrivals = dataclasses.replace(config.workload.arrivals, rate=rate)
+    config = resolve(dataclasses.replace(config, workload=dataclasses.replace(config.workload, arrivals=arrivals)))
+    workload = build_workload(config.workload)
+    cost_fn, cost_params = build_cost_model(config)
+    outcome = simulate_workload(workload, config.scheduler, cost_fn, cost_params)
+    return compute_metrics(workload, outcome, config.slo, config.scheduler.num_kv_blocks)["slo_attainment"]
+
+
+def test_bisection_matches_a_brute_force_scan_within_its_tolerance():
+    config = _config(ttft_ms=800)
+    rates = np.round(np.arange(4.0, 14.0, 0.1), 2)
+    scan = np.array([_attainment(config, rate) for rate in rates])
+    meets = scan >= 0.9
+    assert meets[0] and not meets[-1]
+    first_miss = int(np.argmin(meets))
+    assert not meets[first_miss:].any(), "attainment is not monotone over the scan: the scenario cannot judge"
+    last_pass, first_fail = rates[first_miss - 1], rates[first_miss]
+
+    capacity = find_capacity(config, tolerance=TOLERANCE)
+    # The capacity meets the target, so it lies below the first failing rate; the true boundary lies within
+    # the tolerance above it, so it is at least the last passing rate / (1 + tolerance).
+    assert last_pass / (1 + TOLERANCE) <= capacity.request_rate < first_fail
+    assert _attainment(config, capacity.request_rate) >= 0.9
+    assert capacity.request_rate == pytest.approx(4.0 * capacity.rate_scale)
+    final = sorted(p.rate_scale for p in capacity.probes
+                   if p.rate_scale > capacity.rate_scale and p.slo_attainment < 0.9)[0]
+    assert final - capacity.rate_scale <= TOLERANCE * capacity.rate_scale
+
+
+def test_slos_that_never_bind_or_always_miss_are_reported():
+    with pytest.raises(UserError, match="the SLOs do not bind"):
+        find_capacity(_config(ttft_ms=10_000_000))
+    with pytest.raises(UserError, match="misses 90% even at"):
+        find_capacity(_config(ttft_ms=1))
+    with pytest.raises(UserError, match="--tolerance: got 0, expected a fraction in"):
+        find_capacity(_config(ttft_ms=800), tolerance=0)

@@ -1,0 +1,87 @@
+"""A study process killed with SIGKILL mid-run and started again ends with exactly the requested trials:
+no COMPLETE trial is lost or changed, none is duplicated, and the trials the dead process left RUNNING are
+failed and re-run once each."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections import Counter
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from search_configs import study_data, worker_command, write_config
+from servetune.search.evaluate import use_persistent_compilation_cache
+from servetune.search.storage import open_storage
+from servetune.search.workers import RERUN_ATTR
+
+TRIALS = 40
+KILL_AFTER_COMPLETE = 6
+WORKER_TIMEOUT_S = 240
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache():
+    use_persistent_compilation_cache()
+
+
+def _trials(storage: str, study: str) -> list[optuna.trial.FrozenTrial]:
+    try:
+        return optuna.load_study(study_name=study, storage=open_storage(storage)).get_trials()
+    except KeyError:   # the worker has not created the study yet
+        return []
+
+
+def _kill_mid_run(command: list[str], storage: str, study: str) -> list[optuna.trial.FrozenTrial]:
+    """Start the worker, SIGKILL it once it has completed some trials while others are running, and return
+    the study's trials as the kill left them."""
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + WORKER_TIMEOUT_S
+    try:
+        while time.monotonic() < deadline:
+            assert process.poll() is None, f"the worker ended before it could be killed: {process.stderr.read()}"
+            trials = _trials(storage, study)
+            states = Counter(t.state for t in trials)
+            if states[TrialState.COMPLETE] >= KILL_AFTER_COMPLETE and states[TrialState.RUNNING]:
+                os.kill(process.pid, signal.SIGKILL)
+                process.wait()
+                return _trials(storage, study)
+            time.sleep(0.02)
+        raise AssertionError("the worker did not reach the kill point in time")
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+@pytest.mark.parametrize("storage_name", ["study.db", "study.journal"])
+def test_a_killed_study_resumes_with_no_trial_lost_or_duplicated(tmp_path, storage_name):
+    # Three workload seeds per trial make each batch take long enough to be caught mid-run.
+    config = write_config(tmp_path, study_data(trials=TRIALS, batch_size=4, sampler="tpe", workload_seeds=[1, 2, 3]))
+    storage = str(tmp_path / storage_name)
+    command = worker_command(config, "resume", storage)
+
+    at_kill = _kill_mid_run(command, storage, "resume")
+    completed_before = {t.number: t.value for t in at_kill if t.state == TrialState.COMPLETE}
+    left_running = {t.number for t in at_kill if t.state == TrialState.RUNNING}
+    assert len(completed_before) < TRIALS and left_running
+
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
+    assert finished.returncode == 0, finished.stderr
+
+    after = _trials(storage, "resume")
+    complete = [t for t in after if t.state == TrialState.COMPLETE]
+    assert len(complete) == TRIALS
+    for number, value in completed_before.items():   # nothing completed was lost or changed
+        assert after[number].state == TrialState.COMPLETE and after[number].value == value
+    for number in left_running:                     # the dead worker's trials: failed, then re-run once
+        assert after[number].state == TrialState.FAIL
+    reruns = Counter(t.user_attrs[RERUN_ATTR] for t in complete if RERUN_ATTR in t.user_attrs)
+    assert set(reruns) == left_running and set(reruns.values()) == {1}
+    for t in complete:   # a re-run repeats what the sampler proposed (all of it, unless killed mid-proposal)
+        if RERUN_ATTR in t.user_attrs:
+            assert after[t.user_attrs[RERUN_ATTR]].params.items() <= t.params.items()
+    assert len({t.number for t in complete}) == TRIALS

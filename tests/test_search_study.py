@@ -1,0 +1,195 @@
+"""Studies: TPE against the exhaustive grid optimum, determinism, constraints, baselines and recorded metrics."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from search_configs import STUDY_KNOBS, study_config
+from servetune.config_loader import config_from_dict, load_config
+from servetune.errors import ConfigError, UserError
+from servetune.pipeline import simulate_config
+from servetune.search.evaluate import BatchEvaluator, use_persistent_compilation_cache
+from servetune.search.space import SearchSpace, apply_knobs
+from servetune.search.study import best_trials, is_feasible, open_study, run_study
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache():
+    use_persistent_compilation_cache()
+
+
+def _grid_goodputs(config) -> dict[tuple, float]:
+    """Every point of the study's (all-discrete) space, simulated."""
+    grid = SearchSpace.from_config(config).grid()
+    points = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+    results = BatchEvaluator(8).evaluate([apply_knobs(config, point) for point in points])
+    return {tuple(point.values()): metrics["request_goodput"] for point, (_, metrics) in zip(points, results)}
+
+
+def test_tpe_reaches_98_percent_of_the_grid_optimum_within_60_trials(tmp_path):
+    config = study_config(trials=60, sampler="tpe", seed=0, batch_size=8)
+    goodputs = _grid_goodputs(config)
+    assert len(goodputs) == 8 * 4 * 2 * 3   # max_num_seqs 9..16 is an int range of 8 steps
+    optimum = max(goodputs.values())
+    near = sum(g >= 0.98 * optimum for g in goodputs.values())
+    assert near <= 0.05 * len(goodputs), "the landscape is too flat for the test to mean anything"
+
+    study = run_study(config, "tpe", str(tmp_path / "s.db"), show_progress=False)
+    complete = study.get_trials(states=(TrialState.COMPLETE,))
+    assert len(complete) == 60
+    best = max(t.value for t in complete)
+    assert best >= 0.98 * optimum
+    assert best_trials(study)[0].value == best
+
+
+def test_same_seed_same_study_and_another_seed_another(tmp_path):
+    def proposals(seed, name):
+        config = study_config(trials=16, sampler="tpe", seed=seed, batch_size=4)
+        study = run_study(config, name, str(tmp_path / f"{name}.db"), show_progress=False)
+        return [(t.params, t.value) for t in study.trials]
+
+    first = proposals(3, "a")
+    assert proposals(3, "b") == first
+    assert proposals(4, "c") != first
+
+
+def test_trials_carry_every_metric_the_constraint_and_the_resolved_knobs(tmp_path):
+    config = study_config(trials=4, sampler="random", batch_size=4)
+    study = run_study(config, "attrs", str(tmp_path / "s.db"), show_progress=False)
+    for trial in study.trials:
+        knobs = {key: trial.params[key] for key in STUDY_KNOBS}
+        single = simulate_config(apply_knobs(config, knobs)).metrics
+        for name, value in single.items():
+            assert trial.user_attrs[name] == pytest.approx(value, nan_ok=True), name
+        assert trial.value == pytest.approx(single["request_goodput"])
+        assert trial.constraints == {"slo_attainment": pytest.approx(0.9 - single["slo_attainment"])}
+        assert is_feasible(trial) == (single["slo_attainment"] >= 0.9)
+        assert trial.user_attrs["scheduler"]["max_num_seqs"] == trial.params["scheduler.max_num_seqs"]
+
+
+def test_multi_objective_study_returns_a_pareto_front(tmp_path):
+    config = study_config(trials=12, sampler="nsga2", objectives=["goodput", "p99_ttft"], batch_size=4)
+    study = run_study(config, "pareto", str(tmp_path / "s.db"), show_progress=False)
+    assert [d.name for d in study.directions] == ["MAXIMIZE", "MINIMIZE"]
+    front = best_trials(study)
+    complete = study.get_trials(states=(TrialState.COMPLETE,))
+    pool = [t for t in complete if is_feasible(t)] or complete
+    for trial in front:   # nothing in the pool is at least as good on both and better on one
+        assert not any(o.values[0] >= trial.values[0] and o.values[1] <= trial.values[1] and o.values != trial.values
+                       for o in pool)
+    assert all(any(o.values[0] >= t.values[0] and o.values[1] <= t.values[1] for o in front) for t in pool)
+
+
+def test_baselines_are_the_first_trials_and_vllm_defaults_follow_the_gpu(tmp_path):
+    config = load_config("examples/chat.yaml", ["workload.num_requests=100", "search.trials=3",
+                                                "search.batch_size=4"])
+    study = run_study(config, "baselines", str(tmp_path / "s.db"), show_progress=False)
+    by_name = {t.user_attrs["baseline"]: t.params for t in study.trials}
+    assert [t.user_attrs.get("baseline") for t in study.trials] == ["as-configured", "vllm-default", "chunk-512"]
+    assert by_name["vllm-default"] == {"scheduler.max_num_seqs": 256, "scheduler.max_num_batched_tokens": 2048,
+                                       "scheduler.enable_chunked_prefill": True,
+                                       "scheduler.long_prefill_token_threshold": 0}
+    assert by_name["chunk-512"]["scheduler.max_num_batched_tokens"] == 512
+    assert by_name["as-configured"]["scheduler.max_num_seqs"] == 64
+
+    from servetune.search.baselines import vllm_default_knobs
+    h100 = dataclasses.replace(config, hardware=dataclasses.replace(config.hardware, gpu="h100-80gb"))
+    assert vllm_default_knobs(h100)["scheduler.max_num_seqs"] == 1024
+    assert vllm_default_knobs(h100)["scheduler.max_num_batched_tokens"] == 8192
+
+
+def test_a_study_refuses_another_problem_under_its_name(tmp_path):
+    storage = str(tmp_path / "s.db")
+    open_study(study_config(), "same", storage)
+    open_study(study_config(trials=7, seed=5), "same", storage)   # run controls may change
+    other = study_config()
+    other = dataclasses.replace(other, slo=dataclasses.replace(other.slo, ttft_ms=500.0))
+    with pytest.raises(UserError, match="made from another config"):
+        open_study(other, "same", storage)
+
+
+def test_cmaes_refuses_several_objectives():
+    with pytest.raises(UserError, match="cmaes: got 2 objectives, expected one"):
+        run_study(study_config(sampler="cmaes", objectives=["goodput", "p99_itl"]), "x", "sqlite://",
+                  show_progress=False)
+
+
+@pytest.mark.parametrize("search,message", [
+    ({"knobs": {"scheduler.max_num_seqs": {"low": 0, "high": 8}}},
+     "search.knobs.scheduler.max_num_seqs.low: got 0, expected an integer ≥ 1"),
+    ({"knobs": {"scheduler.max_num_seq": {"low": 1, "high": 8}}},
+     "search.knobs.scheduler.max_num_seq: unknown key; did you mean search.knobs.scheduler.max_num_seqs?"),
+    ({"knobs": {"workload.seed": {"low": 1, "high": 8}}}, "search.knobs.workload.seed: not searchable"),
+    ({"knobs": {"scheduler.max_num_seqs": {"low": 8, "high": 4}}},
+     "search.knobs.scheduler.max_num_seqs.high: got 4, expected ≥ low (8)"),
+    ({"knobs": {"scheduler.enable_chunked_prefill": {"low": 0, "high": 1}}},
+     "expected choices: a list of values (true or false)"),
+    ({"knobs": {"scheduler.policy": {"choices": ["continuous", "dynamic"]}}},
+     "search.knobs.scheduler.policy.choices: got 'dynamic', expected one of continuous, static"),
+    ({"objectives": ["goodput", "p50"]}, "search.objectives: got 'p50', expected one or more of goodput"),
+    ({"sampler": "bayes"}, "search.sampler: got 'bayes', expected one of tpe, cmaes, nsga2, gp, random, grid"),
+    ({"workload_seeds": [1, 1]}, "search.workload_seeds: got [1, 1], expected a non-empty list of distinct"),
+    ({"scenarios": [{"workload.arrivals.rat": 2}]},
+     "search.scenarios[0]: workload.arrivals.rat: unknown key; did you mean workload.arrivals.rate?"),
+])
+def test_bad_search_sections_are_named(search, message):
+    with pytest.raises(ConfigError) as error:
+        config_from_dict({"search": search}, source="c.yaml")
+    assert message in str(error.value)
+
+
+def test_seeds_and_scenarios_combine_as_documented():
+    """Mean over seeds, then the worst scenario, against separate single simulations."""
+    from servetune.search.scenarios import evaluate_knobs, variants
+
+    config = study_config(workload_seeds=[1, 2], scenarios=[{"workload.arrivals.rate": 10.0},
+                                                            {"workload.arrivals.rate": 20.0}], aggregate="worst")
+    knobs = {"scheduler.max_num_seqs": 12, "scheduler.max_num_batched_tokens": 1024,
+             "scheduler.enable_chunked_prefill": True, "scheduler.long_prefill_token_threshold": 0}
+    [result] = evaluate_knobs(BatchEvaluator(4), variants(config), [knobs], "worst")
+    single = {}
+    for rate in (10.0, 20.0):
+        for seed in (1, 2):
+            workload = dataclasses.replace(config.workload, seed=seed, arrivals=dataclasses.replace(
+                config.workload.arrivals, rate=rate))
+            single[rate, seed] = simulate_config(apply_knobs(dataclasses.replace(config, workload=workload),
+                                                             knobs)).metrics
+    mean = {rate: sum(single[rate, s]["request_goodput"] for s in (1, 2)) / 2 for rate in (10.0, 20.0)}
+    p99 = {rate: sum(single[rate, s]["p99_ttft_ms"] for s in (1, 2)) / 2 for rate in (10.0, 20.0)}
+    assert result.metrics["request_goodput"] == pytest.approx(min(mean.values()))
+    assert result.metrics["p99_ttft_ms"] == pytest.approx(max(p99.values()))
+    goodputs = [m["request_goodput"] for m in single.values()]
+    assert result.spread["request_goodput"]["runs"] == 4
+    assert result.spread["request_goodput"]["min"] == pytest.approx(min(goodputs))
+    assert result.spread["request_goodput"]["max"] == pytest.approx(max(goodputs))
+
+
+def test_trials_asked_beyond_the_total_by_racing_workers_fail_unrun():
+    """Two workers each see one trial missing and both ask: the later-numbered trial is surplus."""
+    from servetune.search.study import SURPLUS_ATTR, _drop_surplus
+
+    study = optuna.create_study()
+    for _ in range(4):
+        study.tell(study.ask(), 1.0)
+    first_worker, second_worker = study.ask(), study.ask()
+    assert _drop_surplus(study, [second_worker], target=5) == []
+    assert _drop_surplus(study, [first_worker], target=5) == [first_worker]
+    trials = study.get_trials()
+    assert trials[5].state == TrialState.FAIL and trials[5].user_attrs[SURPLUS_ATTR] is True
+    assert trials[4].state == TrialState.RUNNING
+
+
+@pytest.mark.parametrize("goodput,tp,gpus", [(4.0, 2, 6.0), (10.0, 1, 1.0), (5.0, 1, 2.0), (0.0, 1, float("inf")),
+                                             (None, 1, float("inf"))])
+def test_gpus_needed_is_replicas_for_the_offered_load_times_tp(goodput, tp, gpus):
+    from servetune.search.objectives import add_gpus_needed
+
+    # 100 requests offered over 10 s: 10 req/s; each replica of `tp` GPUs delivers `goodput`.
+    metrics = {"arrived": 100, "duration_s": 10.0, "request_goodput": goodput}
+    assert add_gpus_needed(metrics, tp)["gpus_needed"] == gpus
