@@ -147,6 +147,9 @@ def _vllm(policy: Policy) -> tuple[dict, list[str]]:
                  "scheduler.enable_chunked_prefill", "scheduler.long_prefill_token_threshold", "scheduler.block_size",
                  "scheduler.num_kv_blocks", "scheduler.watermark", "scheduler.max_num_queued_reqs"}
     warnings = _unexpressed(policy.config, expressed, "vllm")
+    if "max-model-len" in keys:
+        warnings.append(f"vllm: max-model-len is set to the token budget ({keys['max-model-len']}) because chunked "
+                        "prefill is off: longer requests are refused, as they were in the simulation")
     check_vllm(keys)
     return keys, warnings
 

@@ -166,3 +166,13 @@ def test_export_from_a_study_through_the_command_line(tmp_path):
     missing = parser.parse_args(["export", "--study", "nope", "--storage", storage])
     with pytest.raises(UserError, match="--study nope: no such study"):
         missing.func(missing)
+
+
+def test_a_context_capped_by_the_budget_is_warned_about():
+    """Without chunked prefill vLLM needs max-model-len <= the budget; capping the deployed context must
+    not pass silently."""
+    capped = export(_policy("scheduler.enable_chunked_prefill=false", "scheduler.max_num_batched_tokens=4096"), "vllm")
+    assert yaml.safe_load(capped.text)["max-model-len"] == 4096
+    assert any("max-model-len" in w and "4096" in w for w in capped.warnings)
+    assert "# warning: vllm: max-model-len" in capped.text
+    assert not any("max-model-len" in w for w in export(_policy(), "vllm").warnings)
