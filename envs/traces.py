@@ -22,7 +22,7 @@ from typing import Callable, Union
 import numpy as np
 
 from servetune.envs.workload import MAX_TOKEN_COUNT, Workload
-from servetune.errors import TraceError
+from servetune.errors import TraceError, reading_user_file
 
 Timestamp = Union[int, float]
 
@@ -185,22 +185,14 @@ def _read_rows(reader, path: Path, layout: _CsvLayout) -> tuple[list, list[int],
 
 
 def _read_csv_trace(path: Path, layout: _CsvLayout) -> Workload:
-    try:
-        # utf-8-sig: spreadsheet exports often start with a byte-order mark, which is not part of the header.
-        with open(path, newline="", encoding="utf-8-sig") as file:
-            reader = csv.reader(file)
-            try:
-                timestamps, prompt_tokens, output_tokens = _read_rows(reader, path, layout)
-            except csv.Error as error:
-                raise TraceError(f"{path}: line {reader.line_num}: unreadable CSV ({error})") from None
-    except FileNotFoundError:
-        raise TraceError(f"{path}: no such trace file") from None
-    except IsADirectoryError:
-        raise TraceError(f"{path}: is a folder, expected a trace file") from None
-    except UnicodeDecodeError as error:
-        raise TraceError(f"{path}: byte {error.start}: not UTF-8 text, expected a CSV file") from None
-    except OSError as error:
-        raise TraceError(f"{path}: cannot read the trace ({error.strerror})") from None
+    # utf-8-sig: spreadsheet exports often start with a byte-order mark, which is not part of the header.
+    with reading_user_file(path, "trace file", "a CSV trace file", TraceError), \
+            open(path, newline="", encoding="utf-8-sig") as file:
+        reader = csv.reader(file)
+        try:
+            timestamps, prompt_tokens, output_tokens = _read_rows(reader, path, layout)
+        except csv.Error as error:
+            raise TraceError(f"{path}: line {reader.line_num}: unreadable CSV ({error})") from None
     if not timestamps:
         raise TraceError(f"{path}: the trace has no requests")
     return Workload(

@@ -25,7 +25,7 @@ import yaml
 from servetune.config import Config, KnobConfig, LengthsConfig, SearchConfig, WorkloadConfig
 from servetune.envs.traces import TRACE_PARSERS
 from servetune.envs.workload import MAX_TOKEN_COUNT
-from servetune.errors import ConfigError, UserError
+from servetune.errors import ConfigError, UserError, reading_user_file
 from servetune.search.objectives import OBJECTIVES, parse_objectives
 
 # `Config.source` records where a config came from; it is not something a user writes.
@@ -612,16 +612,8 @@ def load_config(path: Union[str, Path], overrides: Sequence[str] = ()) -> Config
     """Read, override and validate a YAML config file; raises ``ConfigError`` with a one-line message."""
     path = Path(path)
     source = str(path)
-    try:
+    with reading_user_file(source, "config file", "a YAML config file", ConfigError):
         text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{source}: no such config file") from None
-    except IsADirectoryError:
-        raise ConfigError(f"{source}: is a folder, expected a YAML config file") from None
-    except UnicodeDecodeError as error:
-        raise ConfigError(f"{source}: byte {error.start}: not UTF-8 text, expected a YAML config file") from None
-    except OSError as error:
-        raise ConfigError(f"{source}: cannot read the config file ({error.strerror})") from None
     data = _parse_yaml(text, source)
     if data is None:
         raise ConfigError(f"{source}: the config file is empty, expected a mapping of sections such as scheduler")

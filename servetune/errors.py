@@ -5,6 +5,9 @@ stand alone: one line naming the file, the field, the value found and what was e
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 
 class UserError(Exception):
     """An error in the user's input; ``str()`` is a single line."""
@@ -21,3 +24,21 @@ class ConfigError(UserError):
 
 class TraceError(UserError):
     """A request trace file that cannot be read or breaks the input rules."""
+
+
+@contextmanager
+def reading_user_file(path, name: str, expected: str, error: type[UserError]) -> Iterator[None]:
+    """Turn the ways reading a user's file can fail into one-line errors.
+
+    `name` is what the file is ("config file"), `expected` what it should have been ("a YAML config file").
+    """
+    try:
+        yield
+    except FileNotFoundError:
+        raise error(f"{path}: no such {name}") from None
+    except IsADirectoryError:
+        raise error(f"{path}: is a folder, expected {expected}") from None
+    except UnicodeDecodeError as decode_error:
+        raise error(f"{path}: byte {decode_error.start}: not UTF-8 text, expected {expected}") from None
+    except OSError as os_error:
+        raise error(f"{path}: cannot read the {name} ({os_error.strerror})") from None
