@@ -121,11 +121,15 @@ def _memory_share(policy: Policy) -> float:
 # ---------------------------------------------------------------------------------------------------------
 # Engines.
 
+def _concurrency(scheduler) -> int:
+    """The most requests the policy runs at once: max_num_seqs, or a static batch's size."""
+    return scheduler.max_num_seqs if scheduler.policy == "continuous" else scheduler.batch_size
+
+
 def _vllm(policy: Policy) -> tuple[dict, list[str]]:
     s = policy.config.scheduler
-    continuous = s.policy == "continuous"
     keys = {
-        "max-num-seqs": s.max_num_seqs if continuous else s.batch_size,
+        "max-num-seqs": _concurrency(s),
         "max-num-batched-tokens": s.max_num_batched_tokens,
         "enable-chunked-prefill": s.enable_chunked_prefill,
         "scheduling-policy": "fcfs",
@@ -175,9 +179,8 @@ def check_vllm(keys: dict) -> None:
 
 def _sglang(policy: Policy) -> tuple[dict, list[str]]:
     s = policy.config.scheduler
-    continuous = s.policy == "continuous"
     keys = {
-        "max-running-requests": s.max_num_seqs if continuous else s.batch_size,
+        "max-running-requests": _concurrency(s),
         # SGLang's chunk size caps the prefill tokens of one step; -1 turns chunking off.
         "chunked-prefill-size": s.max_num_batched_tokens if s.enable_chunked_prefill else -1,
         "max-prefill-tokens": s.max_num_batched_tokens,
@@ -200,7 +203,7 @@ def _trtllm(policy: Policy) -> tuple[dict, list[str]]:
     s = policy.config.scheduler
     continuous = s.policy == "continuous"
     keys = {
-        "max_batch_size": s.max_num_seqs if continuous else s.batch_size,
+        "max_batch_size": _concurrency(s),
         "max_num_tokens": s.max_num_batched_tokens,
         "enable_chunked_prefill": s.enable_chunked_prefill,
         # Admission reserves a request's prompt and preempts when decodes run out of blocks, as
@@ -217,9 +220,8 @@ def _trtllm(policy: Policy) -> tuple[dict, list[str]]:
 
 def _tgi(policy: Policy) -> tuple[dict, list[str]]:
     s = policy.config.scheduler
-    continuous = s.policy == "continuous"
     keys = {
-        "--max-batch-size": s.max_num_seqs if continuous else s.batch_size,
+        "--max-batch-size": _concurrency(s),
         "--max-batch-prefill-tokens": s.max_num_batched_tokens,
         # TGI sizes its KV cache in tokens; the simulated cache holds num_kv_blocks · block_size.
         "--max-batch-total-tokens": s.num_kv_blocks * s.block_size,
