@@ -454,9 +454,9 @@ def _waiting_pass(trace, params, state, front: Slots, valid, slots, budget_left,
     count = jnp.sum(admit, dtype=i32)
     rows = replace(rows, blocks=blocks)
     slots = _place_admitted(slots, state.num_running, count, rows)
-    pos = jnp.arange(num_slots, dtype=i32)
-    admitted_tokens = jnp.where((pos >= state.num_running) & (pos < state.num_running + count),
-                                tokens[jnp.clip(pos - state.num_running, 0, num_slots - 1)], 0)
+    # Candidate k now sits in slot num_running + k; slot p takes candidate p - num_running's tokens.
+    admitted_tokens = jnp.where((k >= state.num_running) & (k < state.num_running + count),
+                                tokens[jnp.clip(k - state.num_running, 0, num_slots - 1)], 0)
     state = replace(state,
         queue_head=(state.queue_head + count) % trace.prompt.shape[0],
         queue_len=state.queue_len - count,

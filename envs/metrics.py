@@ -139,13 +139,17 @@ def _itl_summary(workload: Workload, outcome: SimulationOutcome, completed: np.n
     mean = span / gaps
     mean_sq = req.itl_sum_sq_s2[completed].sum() / gaps
     counts, edges = outcome.totals.itl_histogram, itl_bin_edges()
-    ms = lambda q: None if (v := histogram_percentile(counts, edges, q)) is None else v * 1e3  # noqa: E731
+
+    def percentile_ms(q: float) -> Optional[float]:
+        value = histogram_percentile(counts, edges, q)
+        return None if value is None else value * 1e3
+
     return {
         "mean": float(mean * 1e3),
-        "median": ms(50),
+        "median": percentile_ms(50),
         "std": float(np.sqrt(max(mean_sq - mean * mean, 0.0)) * 1e3),
-        "p90": ms(90),
-        "p99": ms(99),
+        "p90": percentile_ms(90),
+        "p99": percentile_ms(99),
     }
 
 
