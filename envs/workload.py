@@ -1,36 +1,66 @@
 """A workload: the requests a simulation serves, as host-side NumPy arrays sorted by arrival.
 
 ``build_workload`` makes one from the config's ``workload`` section: arrival times from a source
-(``ARRIVAL_SOURCES``: a seeded Poisson process, or a replayed trace) and token counts from a length kind
-(``LENGTH_SAMPLERS``: fixed, uniform, or the trace's own). A new arrival process or length distribution is
-one function and one entry in its table.
+(``ARRIVAL_SOURCES`` in arrivals.py: Poisson, Gamma, on-off, piecewise, ServeGen, or a replayed trace), token
+counts from a length kind (``LENGTH_SAMPLERS`` in lengths.py, or the trace's own), tenants with their
+priorities and shared prefixes, and cuts to ``max_model_len``, which are counted.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Optional
+from typing import Optional
 
 import numpy as np
 
-from servetune.config import LengthsConfig, WorkloadConfig
+from servetune.config import LengthsConfig, TenantConfig, WorkloadConfig
+from servetune.envs.arrivals import ARRIVAL_SOURCES, Arrivals
+from servetune.envs.lengths import LENGTH_SAMPLERS, MAX_TOKEN_COUNT
 
-# Token counts live in the engine's int32 arrays.
-MAX_TOKEN_COUNT = 2**31 - 1
+NO_PREFIX = -1
 
 
 @dataclass(frozen=True)
 class Workload:
+    """Per-request arrays, one row per request in arrival order.
+
+    Beyond arrival and token counts every request has a tenant (an index into ``tenant_names``), a priority
+    (lower is served first under the priority order), a prefix group (``NO_PREFIX`` when it shares none)
+    and a standard-normal draw that a noisy output-length predictor scales (see the sjf queue order).
+    Those default to one tenant, priority 0, no prefix and no prediction error.
+    """
+
     arrival_s: np.ndarray       # float64, non-decreasing, seconds on the workload's own clock
     prompt_tokens: np.ndarray   # int64, >= 1
     output_tokens: np.ndarray   # int64, >= 1
     description: str = ""
+    tenant: Optional[np.ndarray] = None          # int64 in [0, len(tenant_names))
+    priority: Optional[np.ndarray] = None        # int64
+    prefix_id: Optional[np.ndarray] = None       # int64, NO_PREFIX or a group id >= 0
+    prediction_z: Optional[np.ndarray] = None    # float64 standard normals
+    tenant_names: tuple = ("default",)
+    clipped: int = 0    # requests whose prompt or output was cut, to max_model_len or to MAX_TOKEN_COUNT
+    # Mooncake-style prefix blocks, ragged: request i's block hashes are
+    # hash_ids[hash_offsets[i]:hash_offsets[i + 1]], each covering hash_block_tokens prompt tokens.
+    hash_offsets: Optional[np.ndarray] = None   # int64 [n + 1]; None when the workload has no block hashes
+    hash_ids: Optional[np.ndarray] = None       # int64
+    hash_block_tokens: int = 512
 
     def __post_init__(self) -> None:
         n = len(self.arrival_s)
-        if not (len(self.prompt_tokens) == len(self.output_tokens) == n):
+        defaults = {"tenant": np.zeros(n, np.int64), "priority": np.zeros(n, np.int64),
+                    "prefix_id": np.full(n, NO_PREFIX, np.int64), "prediction_z": np.zeros(n, np.float64)}
+        for name, default in defaults.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, default)
+        arrays = (self.prompt_tokens, self.output_tokens, self.tenant, self.priority, self.prefix_id,
+                  self.prediction_z)
+        if any(len(array) != n for array in arrays):
             raise ValueError("workload arrays must have equal lengths")
         if n and np.any(np.diff(self.arrival_s) < 0):
             raise ValueError("workload arrivals must be sorted")
+        if n and not (0 <= self.tenant.min() and self.tenant.max() < len(self.tenant_names)):
+            raise ValueError("workload tenants must index tenant_names")
 
     @property
     def num_requests(self) -> int:
@@ -46,90 +76,150 @@ class Workload:
         )
 
 
-class Arrivals(NamedTuple):
-    """Arrival times from a source, with the token counts it carries (a trace's), if any."""
-
-    arrival_s: np.ndarray
-    prompt_tokens: Optional[np.ndarray]
-    output_tokens: Optional[np.ndarray]
-    description: str
-
-
-def poisson_arrivals(cfg: WorkloadConfig, rng: np.random.Generator) -> Arrivals:
-    """``num_requests`` arrivals with exponential gaps of mean 1/rate; the first arrives after the first gap."""
-    rate = cfg.arrivals.rate
-    gaps_s = rng.exponential(1.0 / rate, size=cfg.num_requests)
-    return Arrivals(np.cumsum(gaps_s), None, None, f"poisson arrivals at {rate:g} req/s")
-
-
-def trace_arrivals(cfg: WorkloadConfig, rng: np.random.Generator) -> Arrivals:
-    """The trace's first ``num_requests`` rows (all when None), arriving ``rate_scale`` times as fast."""
-    # Imported here because traces.py builds Workloads from this module: a module-level import would be circular.
-    from servetune.envs.traces import load_trace
-
-    trace = load_trace(cfg.arrivals.path, cfg.arrivals.format)
-    rows = slice(None, cfg.num_requests)
-    rate_scale = cfg.arrivals.rate_scale
-    speed = "" if rate_scale == 1.0 else f" at {rate_scale:g}x rate"
-    return Arrivals(
-        trace.arrival_s[rows] / rate_scale,
-        trace.prompt_tokens[rows],
-        trace.output_tokens[rows],
-        f"{trace.description}{speed}",
-    )
+def take_rows(workload: Workload, rows: np.ndarray, arrival_s: np.ndarray) -> Workload:
+    """``workload``'s requests ``rows`` (indices, in the order given), arriving at ``arrival_s``; every
+    per-request array follows, the ragged block hashes included."""
+    hash_offsets, hash_ids = workload.hash_offsets, workload.hash_ids
+    if hash_offsets is not None:
+        counts = np.diff(hash_offsets)[rows]
+        new_offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        # Each kept hash's position in the old hash_ids: its row's old start plus its place within the row.
+        positions = np.repeat(hash_offsets[rows] - new_offsets[:-1], counts) + np.arange(new_offsets[-1])
+        hash_offsets, hash_ids = new_offsets, hash_ids[positions]
+    return dataclasses.replace(
+        workload, arrival_s=np.asarray(arrival_s, dtype=np.float64), prompt_tokens=workload.prompt_tokens[rows],
+        output_tokens=workload.output_tokens[rows], tenant=workload.tenant[rows], priority=workload.priority[rows],
+        prefix_id=workload.prefix_id[rows], prediction_z=workload.prediction_z[rows], hash_offsets=hash_offsets,
+        hash_ids=hash_ids)
 
 
-ARRIVAL_SOURCES: dict[str, Callable[[WorkloadConfig, np.random.Generator], Arrivals]] = {
-    "poisson": poisson_arrivals,
-    "trace": trace_arrivals,
-}
+def cut_to_max_model_len(prompt_tokens: np.ndarray, output_tokens: np.ndarray,
+                         max_model_len: Optional[int]) -> tuple[np.ndarray, np.ndarray, int]:
+    """(prompt, output, how many requests were cut): prompts cut to max_model_len - 1 (so one token can be
+    generated), then outputs so that prompt + output <= max_model_len; each side also to MAX_TOKEN_COUNT."""
+    prompt_limit = MAX_TOKEN_COUNT if max_model_len is None else min(max_model_len - 1, MAX_TOKEN_COUNT)
+    prompt = np.minimum(prompt_tokens, prompt_limit)
+    output_limit = MAX_TOKEN_COUNT if max_model_len is None else np.minimum(max_model_len - prompt, MAX_TOKEN_COUNT)
+    output = np.minimum(output_tokens, output_limit)
+    return prompt, output, int(np.count_nonzero((prompt != prompt_tokens) | (output != output_tokens)))
 
-TokenCounts = tuple[np.ndarray, np.ndarray, str]   # prompt tokens, output tokens, description
+
+def _tenant_text(tenant: TenantConfig, share: float, lengths_text: str) -> str:
+    prefix = (f", a {tenant.prefix_tokens}-token prefix, one of {tenant.prefix_groups}" if tenant.prefix_tokens
+              else "")
+    return f"{tenant.name} {share:.0%} (priority {tenant.priority}, {lengths_text}{prefix})"
 
 
-def fixed_lengths(lengths: LengthsConfig, arrivals: Arrivals, rng: np.random.Generator) -> TokenCounts:
+def _generated_requests(cfg: WorkloadConfig, arrivals: Arrivals, rng: np.random.Generator) -> tuple[Workload, str]:
+    """Requests for generated arrivals: tenants by share, each tenant's lengths (plus its shared prefix) and
+    prefix groups; with the description of the lengths and tenants."""
     n = len(arrivals.arrival_s)
-    return (
-        np.full(n, lengths.prompt_tokens, dtype=np.int64),
-        np.full(n, lengths.output_tokens, dtype=np.int64),
-        f"fixed lengths of {lengths.prompt_tokens} prompt / {lengths.output_tokens} output tokens",
-    )
+    if not cfg.tenants:
+        prompt, output, lengths_text = LENGTH_SAMPLERS[cfg.lengths.kind](cfg.lengths, n, rng)
+        return Workload(arrivals.arrival_s, prompt, output), lengths_text
+    tenants = cfg.tenants
+    shares = np.array([tenant.share for tenant in tenants])
+    shares = shares / shares.sum()
+    tenant_of = rng.choice(len(tenants), size=n, p=shares)
+    members = [tenant_of == index for index in range(len(tenants))]
+    prompt, output = np.empty(n, np.int64), np.empty(n, np.int64)
+    texts = []
+    for tenant, share, mine in zip(tenants, shares, members):
+        lengths = tenant.lengths or cfg.lengths
+        prompt[mine], output[mine], lengths_text = LENGTH_SAMPLERS[lengths.kind](lengths, int(mine.sum()), rng)
+        prompt[mine] += tenant.prefix_tokens
+        texts.append(_tenant_text(tenant, share, lengths_text))
+    # Prefix groups are drawn after every tenant's lengths, so adding a prefix leaves the lengths as they were.
+    prefix_id = np.full(n, NO_PREFIX, np.int64)
+    first_id = 0   # ids are global: (tenant, group) pairs numbered in config order
+    for tenant, mine in zip(tenants, members):
+        if tenant.prefix_tokens > 0:
+            prefix_id[mine] = first_id + rng.integers(0, tenant.prefix_groups, size=int(mine.sum()))
+            first_id += tenant.prefix_groups
+    priority = np.array([tenant.priority for tenant in tenants], dtype=np.int64)[tenant_of]
+    workload = Workload(arrivals.arrival_s, prompt, output, tenant=tenant_of.astype(np.int64), priority=priority,
+                        prefix_id=prefix_id, tenant_names=tuple(tenant.name for tenant in tenants))
+    return workload, f"{len(tenants)} tenants: {'; '.join(texts)}"
 
 
-def uniform_lengths(lengths: LengthsConfig, arrivals: Arrivals, rng: np.random.Generator) -> TokenCounts:
-    """Prompt and output lengths drawn independently and uniformly from inclusive [low, high] ranges."""
-    n = len(arrivals.arrival_s)
-    (prompt_low, prompt_high), (output_low, output_high) = lengths.prompt_tokens, lengths.output_tokens
-    return (
-        rng.integers(prompt_low, prompt_high, size=n, endpoint=True, dtype=np.int64),
-        rng.integers(output_low, output_high, size=n, endpoint=True, dtype=np.int64),
-        f"uniform lengths of {prompt_low}-{prompt_high} prompt / {output_low}-{output_high} output tokens",
-    )
+def _replayed_requests(cfg: WorkloadConfig, arrivals: Arrivals, rng: np.random.Generator) -> tuple[Workload, str]:
+    """Requests for a replayed trace: its rows (tenants, priorities, prefixes and block hashes as the trace
+    has them), with its lengths or sampled ones; config tenants give the trace's tenants of the same name
+    their priority (and, through envs/slos.py, their SLO)."""
+    trace, n = arrivals.trace, len(arrivals.arrival_s)
+    if cfg.lengths.kind == "trace":
+        lengths_text = "the trace's lengths"
+    else:
+        prompt, output, lengths_text = LENGTH_SAMPLERS[cfg.lengths.kind](cfg.lengths, n, rng)
+        trace = dataclasses.replace(trace, prompt_tokens=prompt, output_tokens=output)
+    if not cfg.tenants:
+        return trace, lengths_text
+    # The config's tenants first, in config order, so that tenant i is the config's i-th whatever the trace
+    # holds; then the trace's others, in its order.
+    config_names = [tenant.name for tenant in cfg.tenants]
+    names = config_names + [name for name in trace.tenant_names if name not in config_names]
+    renumber = np.array([names.index(name) for name in trace.tenant_names], dtype=np.int64)
+    tenant_of = renumber[trace.tenant]
+    priority = trace.priority.copy()
+    for index, tenant in enumerate(cfg.tenants):
+        priority[tenant_of == index] = tenant.priority
+    notes = [f"tenants {', '.join(config_names)} set priorities and SLOs by name"]
+    absent = [name for name in config_names if name not in trace.tenant_names]
+    if absent:
+        notes.append(f"{', '.join(absent)} not in the trace")
+    if any(tenant.share != 1.0 or tenant.lengths is not None or tenant.prefix_tokens or tenant.prefix_groups != 1
+           for tenant in cfg.tenants):
+        notes.append("their shares, lengths and prefixes are unused: the trace says who sent what")
+    workload = dataclasses.replace(trace, tenant=tenant_of, priority=priority, tenant_names=tuple(names))
+    return workload, f"{lengths_text}; {'; '.join(notes)}"
 
 
-def trace_lengths(lengths: LengthsConfig, arrivals: Arrivals, rng: np.random.Generator) -> TokenCounts:
-    if arrivals.prompt_tokens is None or arrivals.output_tokens is None:
-        raise ValueError("trace lengths need trace arrivals (the config loader rejects this combination)")
-    return arrivals.prompt_tokens, arrivals.output_tokens, "the trace's lengths"
+# Generated shared prefixes are hashed in units of a KV block (vLLM's default block size), so a prefix
+# cache can hit all of a system prompt but the partial block at its end.
+GENERATED_HASH_BLOCK_TOKENS = 16
 
 
-LENGTH_SAMPLERS: dict[str, Callable[[LengthsConfig, Arrivals, np.random.Generator], TokenCounts]] = {
-    "fixed": fixed_lengths,
-    "uniform": uniform_lengths,
-    "trace": trace_lengths,
-}
+def _prefix_block_hashes(workload: Workload, tenants) -> Workload:
+    """Block hashes for generated prefixes: a request of prefix group g starts with g's units (ids shared
+    by the group), then units of its own; requests without a group have only their own."""
+    unit = GENERATED_HASH_BLOCK_TOKENS
+    prefix_tokens = np.array([tenant.prefix_tokens for tenant in tenants], dtype=np.int64)[workload.tenant]
+    shared = np.where(workload.prefix_id >= 0, np.minimum(prefix_tokens, workload.prompt_tokens) // unit, 0)
+    units = -(-workload.prompt_tokens // unit)
+    offsets = np.concatenate([[0], np.cumsum(units)])
+    # A group's j-th unit is group * stride + j; a request's own units follow every group's, all distinct.
+    stride = int(shared.max(initial=0)) + 1
+    first_own = (int(workload.prefix_id.max(initial=0)) + 1) * stride
+    within = np.arange(offsets[-1]) - np.repeat(offsets[:-1], units)
+    is_shared = within < np.repeat(shared, units)
+    ids = np.where(is_shared, np.repeat(workload.prefix_id, units) * stride + within,
+                   first_own + np.arange(offsets[-1]))
+    return dataclasses.replace(workload, hash_offsets=offsets, hash_ids=ids.astype(np.int64),
+                               hash_block_tokens=unit)
 
 
 def build_workload(cfg: WorkloadConfig) -> Workload:
     """The workload a validated config describes; the same config (and seed) always gives the same arrays."""
-    # One generator, drawn for arrivals first and lengths second, so a seed fixes the whole workload.
+    # One generator, drawn in a fixed order: arrivals, tenants, lengths, prefix groups, and the length
+    # predictor's normals last, so a seed fixes the whole workload and a workload without tenants or a
+    # predictor draws exactly what it did before those existed.
     rng = np.random.default_rng(cfg.seed)
+    cfg = cfg if cfg.lengths is not None else dataclasses.replace(cfg, lengths=LengthsConfig(kind="trace"))
     arrivals = ARRIVAL_SOURCES[cfg.arrivals.kind](cfg, rng)
-    lengths = cfg.lengths if cfg.lengths is not None else LengthsConfig(kind="trace")
-    prompt_tokens, output_tokens, lengths_description = LENGTH_SAMPLERS[lengths.kind](lengths, arrivals, rng)
-    return Workload(
-        arrivals.arrival_s,
-        prompt_tokens,
-        output_tokens,
-        f"{arrivals.description}, {len(arrivals.arrival_s)} requests, {lengths_description} (seed {cfg.seed})",
+    if arrivals.trace is None:
+        workload, requests_text = _generated_requests(cfg, arrivals, rng)
+    else:
+        workload, requests_text = _replayed_requests(cfg, arrivals, rng)
+    prompt, output, clipped = cut_to_max_model_len(workload.prompt_tokens, workload.output_tokens, cfg.max_model_len)
+    if cfg.max_model_len is not None:
+        requests_text += f", max_model_len {cfg.max_model_len} ({clipped} requests cut)"
+    elif clipped:
+        requests_text += f", {clipped} requests cut to the {MAX_TOKEN_COUNT}-token limit"
+    workload = dataclasses.replace(
+        workload, prompt_tokens=prompt, output_tokens=output, clipped=clipped,
+        prediction_z=rng.standard_normal(workload.num_requests),
+        description=f"{arrivals.description}, {workload.num_requests} requests, {requests_text} (seed {cfg.seed})",
     )
+    if arrivals.trace is None and any(tenant.prefix_tokens for tenant in cfg.tenants or ()):
+        workload = _prefix_block_hashes(workload, cfg.tenants)
+    return workload

@@ -28,18 +28,39 @@ class CostModelConfig:
 
 @dataclass(frozen=True)
 class ArrivalsConfig:
-    kind: str = "poisson"            # poisson | trace
-    rate: Optional[float] = 4.0      # poisson: requests per second
-    path: Optional[str] = None       # trace: file path, relative to the config file's folder
-    format: Optional[str] = None     # trace: processed | azure
-    rate_scale: float = 1.0          # trace: 2.0 doubles the arrival rate
+    kind: str = "poisson"            # poisson | gamma | onoff | piecewise | servegen | trace
+    rate: Optional[float] = 4.0      # poisson, gamma: requests per second; onoff: the rate while on
+    cv: Optional[float] = None       # gamma: coefficient of variation of the gaps (1 is Poisson; > 1 bursty)
+    on_s: Optional[float] = None     # onoff: seconds of arrivals at `rate` ...
+    off_s: Optional[float] = None    # ... then seconds of silence, repeating
+    profile: Any = None              # piecewise: [[start_s, rate], ...], each rate held until the next start
+    time_scale: float = 1.0          # piecewise, servegen: the profile plays this many times faster
+    path: Optional[str] = None       # trace, servegen: file path, relative to the config file's folder
+    format: Optional[str] = None     # trace: azure | mooncake | processed | servetune
+    rate_scale: float = 1.0          # trace: 2.0 doubles the arrival rate; servegen: multiplies every rate
+    window_start_s: float = 0.0      # trace: replay from this second of the trace's clock ...
+    window_s: Optional[float] = None  # ... for this many seconds (null: to the end)
+    jitter_s: float = 0.0            # trace: spread each timestamp uniformly over [t, t + jitter_s)
 
 
 @dataclass(frozen=True)
 class LengthsConfig:
-    kind: str = "fixed"              # fixed | uniform | trace
-    prompt_tokens: Any = 512         # fixed: int; uniform: [low, high] inclusive
-    output_tokens: Any = 128
+    kind: str = "fixed"              # fixed | uniform | geometric | lognormal | empirical | trace
+    prompt_tokens: Any = 512         # fixed: int; uniform: [low, high] inclusive; geometric: the mean;
+    output_tokens: Any = 128         # lognormal: {median: m, sigma: s}; empirical, trace: unused
+    path: Optional[str] = None       # empirical: a CSV with num_prefill_tokens,num_decode_tokens columns
+
+
+@dataclass(frozen=True)
+class TenantConfig:
+    """One tenant (or request class) of a generated workload."""
+    name: str = "default"
+    share: float = 1.0               # its fraction of the arrivals (shares are normalised)
+    priority: int = 0                # lower is served first by the priority order
+    lengths: Optional[LengthsConfig] = None   # null: the workload's lengths
+    slo: Optional["SloConfig"] = None         # null: the config's slo; a class SLO sets edf deadlines
+    prefix_tokens: int = 0           # its requests start with one of `prefix_groups` shared prefixes
+    prefix_groups: int = 1           # of this many tokens (a system prompt, a RAG document)
 
 
 @dataclass(frozen=True)
@@ -48,6 +69,8 @@ class WorkloadConfig:
     lengths: Optional[LengthsConfig] = field(default_factory=LengthsConfig)
     num_requests: Optional[int] = 2000
     seed: int = 0
+    max_model_len: Optional[int] = None   # prompt + output cut to this many tokens; cuts are counted
+    tenants: Any = None              # a list of TenantConfig mappings; null: one tenant
 
 
 @dataclass(frozen=True)
@@ -63,6 +86,10 @@ class SchedulerConfig:
     max_num_queued_reqs: Optional[int] = None
     batch_size: int = 32             # static only
     max_wait_s: float = 1.0          # static only
+    queue_order: str = "fcfs"        # fcfs | priority | sjf | fair | edf | weighted
+    priority_weights: Any = None     # weighted: {feature: weight} over the features in envs/queue_order.py
+    length_prediction_noise: float = 0.0   # sjf: sigma of the predictor's log error (0: the true length)
+    enable_prefix_caching: bool = False
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 Validation is driven by the dataclasses in ``servetune.config``: their fields are the keys allowed (an
 unknown key is an error, with a "did you mean" suggestion), their type hints the types, their defaults fill
 omitted keys. On top of the types, ``FIELD_RANGES`` and ``FIELD_CHOICES`` bound single fields, and the
-per-kind rules (``ARRIVAL_RULES``, ``LENGTH_RULES``) and ``_check_cross_field`` relate fields to each other.
+per-kind rules (``ARRIVAL_RULES``, ``LENGTH_RULES``), the tenants' rule and ``_check_cross_field`` relate fields to
+each other.
 A new arrival or length kind is one entry in its rule table.
 
 Every message reads ``<source>: <dotted.key>: got <value>, expected <what>``, plus the ``--set`` override
@@ -22,9 +23,12 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import yaml
 
-from servetune.config import Config, KnobConfig, LengthsConfig, SearchConfig, WorkloadConfig
+from servetune.config import (
+    Config, KnobConfig, LengthsConfig, SchedulerConfig, SearchConfig, SloConfig, TenantConfig, WorkloadConfig,
+)
+from servetune.envs.lengths import MAX_TOKEN_COUNT, LognormalSpec
+from servetune.envs.queue_order import FEATURES
 from servetune.envs.traces import TRACE_PARSERS
-from servetune.envs.workload import MAX_TOKEN_COUNT
 from servetune.errors import ConfigError, UserError, reading_user_file
 from servetune.search.objectives import OBJECTIVES, parse_objectives
 
@@ -67,6 +71,21 @@ FIELD_RANGES: dict[str, Range] = {
     "cost_model.per_context_token_s": NON_NEGATIVE,
     "workload.arrivals.rate": POSITIVE,
     "workload.arrivals.rate_scale": POSITIVE,
+    "workload.arrivals.cv": POSITIVE,
+    "workload.arrivals.on_s": POSITIVE,
+    "workload.arrivals.off_s": NON_NEGATIVE,
+    "workload.arrivals.time_scale": POSITIVE,
+    "workload.arrivals.window_start_s": NON_NEGATIVE,
+    "workload.arrivals.window_s": POSITIVE,
+    "workload.arrivals.jitter_s": NON_NEGATIVE,
+    "workload.max_model_len": Range(low=2),
+    "workload.lengths.prompt_tokens.median": Range(low=1, high=MAX_TOKEN_COUNT),
+    "workload.lengths.prompt_tokens.sigma": NON_NEGATIVE,
+    "workload.lengths.output_tokens.median": Range(low=1, high=MAX_TOKEN_COUNT),
+    "workload.lengths.output_tokens.sigma": NON_NEGATIVE,
+    "workload.tenants.share": POSITIVE,
+    "workload.tenants.prefix_tokens": Range(low=0, high=MAX_TOKEN_COUNT - 1),
+    "workload.tenants.prefix_groups": AT_LEAST_ONE,
     "workload.num_requests": AT_LEAST_ONE,
     "workload.seed": NON_NEGATIVE,   # numpy's default_rng takes no negative seeds
     "scheduler.max_num_seqs": AT_LEAST_ONE,
@@ -78,6 +97,7 @@ FIELD_RANGES: dict[str, Range] = {
     "scheduler.max_num_queued_reqs": NON_NEGATIVE,
     "scheduler.batch_size": AT_LEAST_ONE,
     "scheduler.max_wait_s": NON_NEGATIVE,
+    "scheduler.length_prediction_noise": NON_NEGATIVE,
     "slo.ttft_ms": POSITIVE,
     "slo.itl_ms": POSITIVE,
     "slo.tpot_ms": POSITIVE,
@@ -91,10 +111,11 @@ FIELD_RANGES: dict[str, Range] = {
 
 FIELD_CHOICES: dict[str, tuple[str, ...]] = {
     "cost_model.kind": ("linear", "roofline", "calibrated"),
-    "workload.arrivals.kind": ("poisson", "trace"),
+    "workload.arrivals.kind": ("poisson", "gamma", "onoff", "piecewise", "servegen", "trace"),
     "workload.arrivals.format": tuple(TRACE_PARSERS),
-    "workload.lengths.kind": ("fixed", "uniform", "trace"),
+    "workload.lengths.kind": ("fixed", "uniform", "geometric", "lognormal", "empirical", "trace"),
     "scheduler.policy": ("continuous", "static"),
+    "scheduler.queue_order": ("fcfs", "priority", "sjf", "fair", "edf", "weighted"),
     "search.sampler": ("tpe", "cmaes", "nsga2", "gp", "random", "grid"),
     "search.aggregate": ("mean", "worst"),
 }
@@ -297,14 +318,102 @@ def _build_section(cls: type, data: Any, parent: str, report: _Reporter) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Rules that relate fields: per arrival kind, per length kind, and across sections.
+# Rules that relate fields: per arrival kind, per length kind, tenants, and across sections.
+
+# The optional arrival fields each kind reads, and their values when unset; setting one that the kind does
+# not read is an error rather than silently ignored. (`rate` is not among them: its default of 4.0 cannot be
+# told from a 4.0 written for a trace, and recorded configs hold it for every kind. `rate_scale` applies to
+# every kind.)
+_ARRIVAL_FIELD_UNSET = {"cv": None, "on_s": None, "off_s": None, "profile": None, "time_scale": 1.0, "path": None,
+                        "format": None, "window_start_s": 0.0, "window_s": None, "jitter_s": 0.0}
+_ARRIVAL_FIELDS_READ = {
+    "poisson": (),
+    "gamma": ("cv",),
+    "onoff": ("on_s", "off_s"),
+    "piecewise": ("profile", "time_scale"),
+    "servegen": ("path", "time_scale"),
+    "trace": ("path", "format", "window_start_s", "window_s", "jitter_s"),
+}
+_ARRIVAL_EXPECTATIONS = {"rate": "a number > 0", "cv": "a number > 0", "on_s": "a number > 0",
+                         "off_s": "a number ≥ 0", "path": "the path of a file"}
+
+
+def _check_unused_arrival_fields(workload: WorkloadConfig, report: _Reporter) -> None:
+    kind = workload.arrivals.kind
+    for name, unset in _ARRIVAL_FIELD_UNSET.items():
+        value = getattr(workload.arrivals, name)
+        if name not in _ARRIVAL_FIELDS_READ[kind] and value != unset:
+            readers = [other for other, names in _ARRIVAL_FIELDS_READ.items() if name in names]
+            raise report.bad_value(f"workload.arrivals.{name}", value,
+                                   f"{_show(unset)} for {kind} arrivals ({name} is for {' and '.join(readers)})")
+
+
+def _require_arrival_fields(workload: WorkloadConfig, report: _Reporter, *names: str) -> None:
+    kind = workload.arrivals.kind
+    for name in names:
+        if getattr(workload.arrivals, name) is None:
+            raise report.bad_value(f"workload.arrivals.{name}", None,
+                                   f"{_ARRIVAL_EXPECTATIONS[name]} for {kind} arrivals")
+    if workload.num_requests is None and kind != "servegen":
+        raise report.bad_value("workload.num_requests", None, f"an integer ≥ 1 for {kind} arrivals")
+
+
+def _resolved_file(key: str, path: str, what: str, report: _Reporter, base_dir: Path) -> str:
+    """``path`` made absolute against the config's folder (the current one when a --set gave it), checked
+    to name an existing file."""
+    if report.override_of(key):
+        # A path typed on the command line is meant from where the user stands, not from the config's folder.
+        base_dir = Path.cwd()
+    resolved = (base_dir / path).resolve()
+    if not resolved.is_file():
+        raise report.bad_value(key, path, f"an existing {what} (no file {resolved})")
+    return str(resolved)
+
 
 def _check_poisson_arrivals(workload: WorkloadConfig, report: _Reporter, base_dir: Path) -> WorkloadConfig:
-    if workload.arrivals.rate is None:
-        raise report.bad_value("workload.arrivals.rate", None, "a number > 0 for poisson arrivals")
-    if workload.num_requests is None:
-        raise report.bad_value("workload.num_requests", None, "an integer ≥ 1 for poisson arrivals")
+    _require_arrival_fields(workload, report, "rate")
     return workload
+
+
+def _check_gamma_arrivals(workload: WorkloadConfig, report: _Reporter, base_dir: Path) -> WorkloadConfig:
+    _require_arrival_fields(workload, report, "rate", "cv")
+    return workload
+
+
+def _check_onoff_arrivals(workload: WorkloadConfig, report: _Reporter, base_dir: Path) -> WorkloadConfig:
+    _require_arrival_fields(workload, report, "rate", "on_s", "off_s")
+    return workload
+
+
+def _check_piecewise_arrivals(workload: WorkloadConfig, report: _Reporter, base_dir: Path) -> WorkloadConfig:
+    _require_arrival_fields(workload, report)
+    profile = workload.arrivals.profile
+    key = "workload.arrivals.profile"
+    if not isinstance(profile, (list, tuple)) or not profile:
+        raise report.bad_value(key, profile, "a list of [start_s, rate] pairs for piecewise arrivals, such as "
+                                             "[[0, 2.0], [600, 8.0]]")
+    segments = []
+    for index, segment in enumerate(profile):
+        where = f"{key}[{index}]"
+        if not (isinstance(segment, (list, tuple)) and len(segment) == 2 and all(_has_type(v, float) for v in segment)):
+            raise report.bad_value(where, segment, "a pair [start_s, rate] of finite numbers")
+        start, rate = float(segment[0]), float(segment[1])
+        if index == 0 and start != 0:
+            raise report.bad_value(where, segment, "a first segment starting at 0")
+        if segments and start <= segments[-1][0]:
+            raise report.bad_value(where, segment, f"a start after the previous segment's {segments[-1][0]:g}")
+        if rate < 0:
+            raise report.bad_value(where, segment, "a rate ≥ 0")
+        segments.append((start, rate))
+    if not any(rate > 0 for _, rate in segments):
+        raise report.bad_value(key, profile, "at least one segment with a rate > 0")
+    return dataclasses.replace(workload, arrivals=dataclasses.replace(workload.arrivals, profile=tuple(segments)))
+
+
+def _check_servegen_arrivals(workload: WorkloadConfig, report: _Reporter, base_dir: Path) -> WorkloadConfig:
+    _require_arrival_fields(workload, report, "path")
+    path = _resolved_file("workload.arrivals.path", workload.arrivals.path, "ServeGen trace.csv", report, base_dir)
+    return dataclasses.replace(workload, arrivals=dataclasses.replace(workload.arrivals, path=path))
 
 
 def _check_trace_arrivals(workload: WorkloadConfig, report: _Reporter, base_dir: Path) -> WorkloadConfig:
@@ -315,26 +424,28 @@ def _check_trace_arrivals(workload: WorkloadConfig, report: _Reporter, base_dir:
         raise report.bad_value(
             "workload.arrivals.format", None, f"one of {', '.join(TRACE_PARSERS)} for trace arrivals"
         )
-    # A path typed on the command line is meant from where the user stands, not from the config's folder.
-    if report.override_of("workload.arrivals.path"):
-        base_dir = Path.cwd()
-    resolved = (base_dir / arrivals.path).resolve()
-    if not resolved.is_file():
-        raise report.bad_value("workload.arrivals.path", arrivals.path, f"an existing trace file (no file {resolved})")
-    return dataclasses.replace(workload, arrivals=dataclasses.replace(arrivals, path=str(resolved)))
+    path = _resolved_file("workload.arrivals.path", arrivals.path, "trace file", report, base_dir)
+    return dataclasses.replace(workload, arrivals=dataclasses.replace(arrivals, path=path))
 
 
 ARRIVAL_RULES: dict[str, Callable[[WorkloadConfig, _Reporter, Path], WorkloadConfig]] = {
     "poisson": _check_poisson_arrivals,
+    "gamma": _check_gamma_arrivals,
+    "onoff": _check_onoff_arrivals,
+    "piecewise": _check_piecewise_arrivals,
+    "servegen": _check_servegen_arrivals,
     "trace": _check_trace_arrivals,
 }
+
+GENERATED_LENGTH_KINDS = ("fixed", "uniform", "geometric", "lognormal", "empirical")
 
 
 def _is_token_count(value: Any) -> bool:
     return _has_type(value, int) and _TOKEN_COUNT_RANGE.contains(value)
 
 
-def _check_fixed_lengths(lengths: LengthsConfig, arrivals_kind: str, report: _Reporter) -> LengthsConfig:
+def _check_fixed_lengths(lengths: LengthsConfig, arrivals_kind: str, report: _Reporter,
+                         base_dir: Path) -> LengthsConfig:
     for name in ("prompt_tokens", "output_tokens"):
         value = getattr(lengths, name)
         if not _is_token_count(value):
@@ -344,7 +455,8 @@ def _check_fixed_lengths(lengths: LengthsConfig, arrivals_kind: str, report: _Re
     return lengths
 
 
-def _check_uniform_lengths(lengths: LengthsConfig, arrivals_kind: str, report: _Reporter) -> LengthsConfig:
+def _check_uniform_lengths(lengths: LengthsConfig, arrivals_kind: str, report: _Reporter,
+                           base_dir: Path) -> LengthsConfig:
     expected = f"[low, high] for uniform lengths: integers {_TOKEN_COUNT_RANGE.describe()} with low ≤ high"
     ranges = {}
     for name in ("prompt_tokens", "output_tokens"):
@@ -356,33 +468,136 @@ def _check_uniform_lengths(lengths: LengthsConfig, arrivals_kind: str, report: _
     return dataclasses.replace(lengths, **ranges)
 
 
-def _check_trace_lengths(lengths: LengthsConfig, arrivals_kind: str, report: _Reporter) -> LengthsConfig:
+def _check_geometric_lengths(lengths: LengthsConfig, arrivals_kind: str, report: _Reporter,
+                             base_dir: Path) -> LengthsConfig:
+    means = {}
+    for name in ("prompt_tokens", "output_tokens"):
+        value = getattr(lengths, name)
+        if not (_has_type(value, float) and _TOKEN_COUNT_RANGE.contains(value)):
+            raise report.bad_value(f"workload.lengths.{name}", value,
+                                   f"the mean, a number {_TOKEN_COUNT_RANGE.describe()}, for geometric lengths")
+        means[name] = float(value)
+    return dataclasses.replace(lengths, **means)
+
+
+def _check_lognormal_lengths(lengths: LengthsConfig, arrivals_kind: str, report: _Reporter,
+                             base_dir: Path) -> LengthsConfig:
+    specs = {}
+    for name in ("prompt_tokens", "output_tokens"):
+        key, value = f"workload.lengths.{name}", getattr(lengths, name)
+        if not isinstance(value, dict):
+            raise report.bad_value(key, value, "{median: m, sigma: s} for lognormal lengths")
+        for part in ("median", "sigma"):
+            if part not in value:
+                bounds = FIELD_RANGES[f"{key}.{part}"].describe()
+                raise report.error(f"{key}.{part}", f"missing; expected a number {bounds} for lognormal lengths")
+        specs[name] = _build_section(LognormalSpec, value, key, report)
+    return dataclasses.replace(lengths, **specs)
+
+
+def _check_empirical_lengths(lengths: LengthsConfig, arrivals_kind: str, report: _Reporter,
+                             base_dir: Path) -> LengthsConfig:
+    if lengths.path is None:
+        raise report.bad_value("workload.lengths.path", None, "the path of a CSV length sample with columns "
+                                                              "num_prefill_tokens,num_decode_tokens")
+    path = _resolved_file("workload.lengths.path", lengths.path, "length sample", report, base_dir)
+    return dataclasses.replace(lengths, path=path)
+
+
+def _check_trace_lengths(lengths: LengthsConfig, arrivals_kind: str, report: _Reporter,
+                         base_dir: Path) -> LengthsConfig:
     if arrivals_kind != "trace":
         raise report.bad_value(
-            "workload.lengths.kind", "trace", f"fixed or uniform with {arrivals_kind} arrivals "
-            "(trace lengths need trace arrivals)"
+            "workload.lengths.kind", "trace", f"one of {', '.join(GENERATED_LENGTH_KINDS)} with {arrivals_kind} "
+            "arrivals (trace lengths need trace arrivals)"
         )
     return lengths
 
 
-LENGTH_RULES: dict[str, Callable[[LengthsConfig, str, _Reporter], LengthsConfig]] = {
+LENGTH_RULES: dict[str, Callable[[LengthsConfig, str, _Reporter, Path], LengthsConfig]] = {
     "fixed": _check_fixed_lengths,
     "uniform": _check_uniform_lengths,
+    "geometric": _check_geometric_lengths,
+    "lognormal": _check_lognormal_lengths,
+    "empirical": _check_empirical_lengths,
     "trace": _check_trace_lengths,
 }
 
 
+def _check_lengths(lengths: LengthsConfig, arrivals_kind: str, report: _Reporter, base_dir: Path) -> LengthsConfig:
+    if lengths.kind != "empirical" and lengths.path is not None:
+        raise report.bad_value("workload.lengths.path", lengths.path, f"null for {lengths.kind} lengths "
+                                                                      "(path is for empirical lengths)")
+    return LENGTH_RULES[lengths.kind](lengths, arrivals_kind, report, base_dir)
+
+
+class _RenamedReporter(_Reporter):
+    """Reports keys checked under another section's rules as where they are: a tenant's ``slo.ttft_ms`` is
+    checked as the slo section's (its ranges, its messages) and reported as ``workload.tenants[1].slo.ttft_ms``."""
+
+    def __init__(self, report: _Reporter, rules_key: str, shown_key: str) -> None:
+        self.source, self.overrides = report.source, report.overrides
+        self.rules_key, self.shown_key = rules_key, shown_key
+
+    def _shown(self, text: str) -> str:
+        # Whole keys only: `slo.ttft_ms` and `slo` but not `slope`, and inside messages ("did you mean ...").
+        return re.sub(rf"(?<![\w.\[\]]){re.escape(self.rules_key)}(?=$|[.\s?,;)])", self.shown_key, text)
+
+    def override_of(self, key: str) -> Optional[str]:
+        # `--set workload.tenants=[...]` writes every tenant: match the key without its index.
+        return super().override_of(re.sub(r"\[\d+\]", "", self._shown(key)))
+
+    def error(self, key: str, problem: str) -> ConfigError:
+        return super().error(self._shown(key), self._shown(problem))
+
+
+def _check_tenant(data: Any, index: int, arrivals_kind: str, report: _Reporter, base_dir: Path) -> TenantConfig:
+    shown = f"workload.tenants[{index}]"
+    own = dict(data) if isinstance(data, dict) else data
+    nested = {name: own.pop(name, None) for name in ("lengths", "slo")} if isinstance(own, dict) else {}
+    tenant = _build_section(TenantConfig, own, "workload.tenants", _RenamedReporter(report, "workload.tenants", shown))
+    lengths, slo = nested.get("lengths"), nested.get("slo")
+    if lengths is not None:
+        lengths_report = _RenamedReporter(report, "workload.lengths", f"{shown}.lengths")
+        lengths = _check_lengths(_build_section(LengthsConfig, lengths, "workload.lengths", lengths_report),
+                                 arrivals_kind, lengths_report, base_dir)
+    if slo is not None:
+        slo = _build_section(SloConfig, slo, "slo", _RenamedReporter(report, "slo", f"{shown}.slo"))
+    return dataclasses.replace(tenant, lengths=lengths, slo=slo)
+
+
+def _check_tenants(workload: WorkloadConfig, report: _Reporter, base_dir: Path) -> WorkloadConfig:
+    tenants = workload.tenants
+    if tenants is None:
+        return workload
+    if not isinstance(tenants, (list, tuple)) or not tenants:
+        raise report.bad_value("workload.tenants", tenants, "a non-empty list of tenants, such as "
+                                                            "[{name: chat, share: 0.8}, {name: batch, share: 0.2}]")
+    checked = tuple(_check_tenant(tenant, index, workload.arrivals.kind, report, base_dir)
+                    for index, tenant in enumerate(tenants))
+    for index, tenant in enumerate(checked):
+        if tenant.name in (earlier.name for earlier in checked[:index]):
+            raise report.bad_value(f"workload.tenants[{index}].name", tenant.name, "a name no earlier tenant has")
+        if workload.max_model_len is not None and tenant.prefix_tokens > workload.max_model_len - 2:
+            raise report.bad_value(f"workload.tenants[{index}].prefix_tokens", tenant.prefix_tokens,
+                                   f"≤ max_model_len - 2 = {workload.max_model_len - 2}, so that a cut prompt keeps "
+                                   "its whole prefix and a token of its own")
+    return dataclasses.replace(workload, tenants=checked)
+
+
 def _check_workload(workload: WorkloadConfig, report: _Reporter, base_dir: Path) -> WorkloadConfig:
+    _check_unused_arrival_fields(workload, report)
     workload = ARRIVAL_RULES[workload.arrivals.kind](workload, report, base_dir)
     if workload.lengths is None:
         # `lengths: null` is the same as leaving it out, which only trace arrivals allow.
         if workload.arrivals.kind != "trace":
             raise report.bad_value(
-                "workload.lengths", None, f"a mapping with kind fixed or uniform for {workload.arrivals.kind} arrivals"
+                "workload.lengths", None, f"a mapping with kind one of {', '.join(GENERATED_LENGTH_KINDS)} for "
+                                          f"{workload.arrivals.kind} arrivals"
             )
-        return dataclasses.replace(workload, lengths=LengthsConfig(kind="trace"))
-    lengths = LENGTH_RULES[workload.lengths.kind](workload.lengths, workload.arrivals.kind, report)
-    return dataclasses.replace(workload, lengths=lengths)
+        workload = dataclasses.replace(workload, lengths=LengthsConfig(kind="trace"))
+    lengths = _check_lengths(workload.lengths, workload.arrivals.kind, report, base_dir)
+    return _check_tenants(dataclasses.replace(workload, lengths=lengths), report, base_dir)
 
 
 def _check_cross_field(config: Config, report: _Reporter, base_dir: Path) -> Config:
@@ -394,8 +609,38 @@ def _check_cross_field(config: Config, report: _Reporter, base_dir: Path) -> Con
         )
     if config.cost_model.kind == "calibrated" and config.cost_model.profile is None:
         raise report.bad_value("cost_model.profile", None, "a fitted profile for the calibrated cost model")
+    config = dataclasses.replace(config, scheduler=_check_queue_order(scheduler, report))
     config = dataclasses.replace(config, workload=_check_workload(config.workload, report, base_dir))
     return dataclasses.replace(config, search=_check_search(config, report, base_dir))
+
+
+WEIGHTS_KEY = "scheduler.priority_weights"
+
+
+def _check_queue_order(scheduler: SchedulerConfig, report: _Reporter) -> SchedulerConfig:
+    """`priority_weights` goes with `queue_order: weighted` only: a mapping of FEATURES to finite numbers,
+    kept as (feature, weight) pairs in FEATURES order (the config is frozen and hashable)."""
+    weights = scheduler.priority_weights
+    if scheduler.queue_order != "weighted":
+        if weights is not None:
+            raise report.bad_value(WEIGHTS_KEY, weights, f"null unless queue_order is weighted (it is "
+                                                         f"{scheduler.queue_order})")
+        return scheduler
+    expected = (f"a mapping of feature to weight, features among {', '.join(FEATURES)}, at least one weight "
+                "non-zero (lower scores are served first)")
+    if isinstance(weights, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in weights):
+        weights = dict(weights)   # the (feature, weight) pairs of an already checked config, e.g. from JSON
+    if not isinstance(weights, dict) or not weights:
+        raise report.bad_value(WEIGHTS_KEY, weights, expected)
+    for name, weight in weights.items():
+        if name not in FEATURES:
+            raise report.error(*_unknown_key(str(name), list(FEATURES), WEIGHTS_KEY))
+        if not (_has_type(weight, float) and _is_finite(weight)):
+            raise report.bad_value(f"{WEIGHTS_KEY}.{name}", weight, "a finite number")
+    if not any(weights.values()):
+        raise report.bad_value(WEIGHTS_KEY, weights, expected)
+    pairs = tuple((name, float(weights[name])) for name in FEATURES if name in weights)
+    return dataclasses.replace(scheduler, priority_weights=pairs)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -403,7 +648,13 @@ def _check_cross_field(config: Config, report: _Reporter, base_dir: Path) -> Con
 # scenarios are variants of the whole config and must each be a valid config.
 
 def _searchable_field(key: str, report: _Reporter) -> tuple[Any, bool]:
-    """(type, nullable) of the config field a knob searches, or a ConfigError naming the knob."""
+    """(type, nullable) of the config field a knob searches, or a ConfigError naming the knob. One weight
+    of the weighted queue order is a knob too: scheduler.priority_weights.<feature>."""
+    if key.startswith(WEIGHTS_KEY + "."):
+        feature = key[len(WEIGHTS_KEY) + 1:]
+        if feature not in FEATURES:
+            raise report.error(*_unknown_key(feature, list(FEATURES), f"search.knobs.{WEIGHTS_KEY}"))
+        return float, False
     section, _, name = key.partition(".")
     if section not in SEARCHABLE_SECTIONS:
         raise report.error(f"search.knobs.{key}", f"not searchable; expected a field of "
@@ -514,6 +765,10 @@ def _check_scenarios(config: Config, scenarios: Any, report: _Reporter, base_dir
 def _check_search(config: Config, report: _Reporter, base_dir: Path) -> SearchConfig:
     search = config.search
     knobs = None if search.knobs is None else _check_knobs(search.knobs, report)
+    for key, _ in knobs or ():
+        if key.startswith(WEIGHTS_KEY + ".") and config.scheduler.queue_order != "weighted":
+            raise report.error(f"search.knobs.{key}", f"searches a weight of the weighted queue order, but "
+                                                      f"scheduler.queue_order is {config.scheduler.queue_order}")
     names = [search.objectives] if isinstance(search.objectives, str) else search.objectives
     if not isinstance(names, (list, tuple)) or not all(isinstance(name, str) for name in names):
         raise report.bad_value("search.objectives", search.objectives, f"a list of {', '.join(OBJECTIVES)}")

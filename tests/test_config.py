@@ -1,6 +1,8 @@
 """Config loading: the examples, defaults, --set overrides, and one clear line for every kind of bad input."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from servetune.config import (
@@ -11,14 +13,18 @@ from servetune.config import (
     LengthsConfig,
     SchedulerConfig,
     SloConfig,
+    TenantConfig,
     WorkloadConfig,
 )
 from servetune.config_loader import apply_overrides, config_from_dict, load_config
+from servetune.envs.lengths import LognormalSpec
+from servetune.envs.traces import TRACE_PARSERS
 from servetune.errors import ConfigError, UserError
 from servetune.paths import REPO_ROOT
 
 EXAMPLES = REPO_ROOT / "examples"
 FIXTURES = REPO_ROOT / "tests" / "fixtures"
+TRACE_FORMATS = ", ".join(TRACE_PARSERS)
 
 
 def config_error(data: dict, **kwargs) -> str:
@@ -251,16 +257,20 @@ def test_bad_field_values_are_named(section, field, value, expected):
     [
         ({"arrivals": {"rate": 0}}, "workload.arrivals.rate: got 0, expected a finite number > 0 or null"),
         ({"arrivals": {"rate": None}}, "workload.arrivals.rate: got null, expected a number > 0 for poisson arrivals"),
-        ({"arrivals": {"kind": "gamma"}}, "workload.arrivals.kind: got 'gamma', expected one of poisson, trace"),
-        ({"arrivals": {"format": "csv"}}, "workload.arrivals.format: got 'csv', expected one of processed, azure"),
+        ({"arrivals": {"kind": "hawkes"}}, "workload.arrivals.kind: got 'hawkes', expected one of poisson, gamma, "
+                                           "onoff, piecewise, servegen, trace"),
+        ({"arrivals": {"format": "csv"}}, f"workload.arrivals.format: got 'csv', expected one of {TRACE_FORMATS}"),
         ({"arrivals": {"rate_scale": 0}}, "workload.arrivals.rate_scale: got 0, expected a finite number > 0"),
         ({"num_requests": 0}, "workload.num_requests: got 0, expected an integer ≥ 1 or null"),
         ({"num_requests": None}, "workload.num_requests: got null, expected an integer ≥ 1 for poisson arrivals"),
         ({"seed": -1}, "workload.seed: got -1, expected an integer ≥ 0"),
-        ({"lengths": {"kind": "zipf"}}, "workload.lengths.kind: got 'zipf', expected one of fixed, uniform, trace"),
-        ({"lengths": {"kind": "trace"}}, "workload.lengths.kind: got 'trace', expected fixed or uniform with poisson "
-                                         "arrivals (trace lengths need trace arrivals)"),
-        ({"lengths": None}, "workload.lengths: got null, expected a mapping with kind fixed or uniform"),
+        ({"lengths": {"kind": "zipf"}}, "workload.lengths.kind: got 'zipf', expected one of fixed, uniform, "
+                                        "geometric, lognormal, empirical, trace"),
+        ({"lengths": {"kind": "trace"}}, "workload.lengths.kind: got 'trace', expected one of fixed, uniform, "
+                                         "geometric, lognormal, empirical with poisson arrivals (trace lengths need "
+                                         "trace arrivals)"),
+        ({"lengths": None}, "workload.lengths: got null, expected a mapping with kind one of fixed, uniform, "
+                            "geometric, lognormal, empirical for poisson arrivals"),
         ({"lengths": {"prompt_tokens": 0}}, "workload.lengths.prompt_tokens: got 0, expected an integer in "
                                             "[1, 2147483647] for fixed lengths"),
         ({"lengths": {"output_tokens": [1, 4]}}, "workload.lengths.output_tokens: got [1, 4], expected an integer"),
@@ -278,7 +288,7 @@ def test_bad_field_values_are_named(section, field, value, expected):
         ({"arrivals": {"kind": "trace", "format": "azure"}},
          "workload.arrivals.path: got null, expected the path of a trace file for trace arrivals"),
         ({"arrivals": {"kind": "trace", "path": "tiny_azure.csv"}},
-         "workload.arrivals.format: got null, expected one of processed, azure for trace arrivals"),
+         f"workload.arrivals.format: got null, expected one of {TRACE_FORMATS} for trace arrivals"),
         ({"arrivals": {"kind": "trace", "path": "absent.csv", "format": "azure"}},
          "workload.arrivals.path: got 'absent.csv', expected an existing trace file "
          f"(no file {FIXTURES / 'absent.csv'})"),
@@ -288,6 +298,186 @@ def test_bad_workloads_are_named(workload, expected):
     message = config_error({"workload": workload}, base_dir=FIXTURES)
     assert message.startswith("c.yaml: workload")
     assert expected in message
+
+
+# --- generated workloads: arrival processes, length distributions, tenants ---------------------------------
+
+_TENANT = {"name": "a"}
+
+
+@pytest.mark.parametrize(
+    "workload,expected",
+    [
+        # arrival kinds: what each needs, and fields the kind would ignore
+        ({"arrivals": {"kind": "gamma", "rate": 2}}, "workload.arrivals.cv: got null, expected a number > 0 for gamma "
+                                                     "arrivals"),
+        ({"arrivals": {"kind": "gamma", "cv": 0}}, "workload.arrivals.cv: got 0, expected a finite number > 0 or null"),
+        ({"arrivals": {"kind": "gamma", "cv": 2}, "num_requests": None},
+         "workload.num_requests: got null, expected an integer ≥ 1 for gamma arrivals"),
+        ({"arrivals": {"cv": 2}},
+         "workload.arrivals.cv: got 2.0, expected null for poisson arrivals (cv is for gamma)"),
+        ({"arrivals": {"kind": "onoff", "off_s": 5}}, "workload.arrivals.on_s: got null, expected a number > 0 for "
+                                                      "onoff arrivals"),
+        ({"arrivals": {"kind": "onoff", "on_s": 5}}, "workload.arrivals.off_s: got null, expected a number ≥ 0 for "
+                                                     "onoff arrivals"),
+        ({"arrivals": {"kind": "onoff", "on_s": 0, "off_s": 5}}, "workload.arrivals.on_s: got 0, expected a finite "
+                                                                 "number > 0 or null"),
+        ({"arrivals": {"kind": "onoff", "on_s": 5, "off_s": -1}}, "workload.arrivals.off_s: got -1, expected a finite "
+                                                                  "number ≥ 0 or null"),
+        ({"arrivals": {"kind": "gamma", "cv": 1, "on_s": 5}}, "workload.arrivals.on_s: got 5.0, expected null for "
+                                                              "gamma arrivals (on_s is for onoff)"),
+        ({"arrivals": {"kind": "piecewise"}}, "workload.arrivals.profile: got null, expected a list of [start_s, rate] "
+                                              "pairs for piecewise arrivals"),
+        ({"arrivals": {"kind": "piecewise", "profile": [[1, 2]]}},
+         "workload.arrivals.profile[0]: got [1, 2], expected a first segment starting at 0"),
+        ({"arrivals": {"kind": "piecewise", "profile": [[0, 1], [60, 2], [60, 3]]}},
+         "workload.arrivals.profile[2]: got [60, 3], expected a start after the previous segment's 60"),
+        ({"arrivals": {"kind": "piecewise", "profile": [[0, 1], [60, -2]]}},
+         "workload.arrivals.profile[1]: got [60, -2], expected a rate ≥ 0"),
+        ({"arrivals": {"kind": "piecewise", "profile": [[0, 0], [60, 0]]}},
+         "workload.arrivals.profile: got [[0, 0], [60, 0]], expected at least one segment with a rate > 0"),
+        ({"arrivals": {"kind": "piecewise", "profile": [[0, "fast"]]}},
+         "workload.arrivals.profile[0]: got [0, 'fast'], expected a pair [start_s, rate] of finite numbers"),
+        ({"arrivals": {"kind": "piecewise", "profile": [0, 1]}},
+         "workload.arrivals.profile[0]: got 0, expected a pair [start_s, rate] of finite numbers"),
+        ({"arrivals": {"kind": "piecewise", "profile": [[0, 1]], "time_scale": 0}},
+         "workload.arrivals.time_scale: got 0, expected a finite number > 0"),
+        ({"arrivals": {"time_scale": 2}}, "workload.arrivals.time_scale: got 2.0, expected 1.0 for poisson arrivals "
+                                          "(time_scale is for piecewise and servegen)"),
+        ({"arrivals": {"kind": "servegen"}}, "workload.arrivals.path: got null, expected the path of a file for "
+                                             "servegen arrivals"),
+        ({"arrivals": {"kind": "servegen", "path": "absent.csv"}},
+         f"workload.arrivals.path: got 'absent.csv', expected an existing ServeGen trace.csv (no file "
+         f"{FIXTURES / 'absent.csv'})"),
+        ({"arrivals": {"path": "tiny_processed.csv"}}, "workload.arrivals.path: got 'tiny_processed.csv', expected "
+                                                       "null for poisson arrivals (path is for servegen and trace)"),
+        ({"arrivals": {"window_s": 60}}, "workload.arrivals.window_s: got 60.0, expected null for poisson arrivals "
+                                         "(window_s is for trace)"),
+        ({"arrivals": {"kind": "trace", "path": "tiny_processed.csv", "format": "processed", "window_start_s": -1}},
+         "workload.arrivals.window_start_s: got -1, expected a finite number ≥ 0"),
+        ({"arrivals": {"kind": "trace", "path": "tiny_processed.csv", "format": "processed", "window_s": 0}},
+         "workload.arrivals.window_s: got 0, expected a finite number > 0 or null"),
+        ({"arrivals": {"kind": "trace", "path": "tiny_processed.csv", "format": "processed", "jitter_s": -3}},
+         "workload.arrivals.jitter_s: got -3, expected a finite number ≥ 0"),
+        ({"arrivals": {"jitter_s": 3}}, "workload.arrivals.jitter_s: got 3.0, expected 0.0 for poisson arrivals "
+                                        "(jitter_s is for trace)"),
+        ({"max_model_len": 1}, "workload.max_model_len: got 1, expected an integer ≥ 2 or null"),
+        # length kinds
+        ({"lengths": {"kind": "geometric", "prompt_tokens": 0.5}}, "workload.lengths.prompt_tokens: got 0.5, expected "
+                                                                   "the mean, a number in [1, 2147483647], for "
+                                                                   "geometric lengths"),
+        ({"lengths": {"kind": "geometric", "output_tokens": [1, 4]}}, "workload.lengths.output_tokens: got [1, 4]"),
+        ({"lengths": {"kind": "lognormal"}}, "workload.lengths.prompt_tokens: got 512, expected {median: m, sigma: s} "
+                                             "for lognormal lengths"),
+        ({"lengths": {"kind": "lognormal", "prompt_tokens": {"median": 100, "sigma": 1},
+                      "output_tokens": {"median": 20}}},
+         "workload.lengths.output_tokens.sigma: missing; expected a number ≥ 0 for lognormal lengths"),
+        ({"lengths": {"kind": "lognormal", "prompt_tokens": {"median": 0, "sigma": 1}}},
+         "workload.lengths.prompt_tokens.median: got 0, expected a finite number in [1, 2147483647]"),
+        ({"lengths": {"kind": "lognormal", "prompt_tokens": {"median": 10, "sigma": -1}}},
+         "workload.lengths.prompt_tokens.sigma: got -1, expected a finite number ≥ 0"),
+        ({"lengths": {"kind": "lognormal", "prompt_tokens": {"median": 10, "sigma": 1, "mean": 3}}},
+         "workload.lengths.prompt_tokens.mean: unknown key; did you mean workload.lengths.prompt_tokens.median?"),
+        ({"lengths": {"kind": "empirical"}},
+         "workload.lengths.path: got null, expected the path of a CSV length sample with columns "
+         "num_prefill_tokens,num_decode_tokens"),
+        ({"lengths": {"kind": "empirical", "path": "absent.csv"}},
+         f"workload.lengths.path: got 'absent.csv', expected an existing length sample (no file "
+         f"{FIXTURES / 'absent.csv'})"),
+        ({"lengths": {"path": "tiny_processed.csv"}}, "workload.lengths.path: got 'tiny_processed.csv', expected null "
+                                                      "for fixed lengths (path is for empirical lengths)"),
+        # tenants: their own fields, and their lengths and SLO under the lengths' and the slo section's rules
+        ({"tenants": []}, "workload.tenants: got [], expected a non-empty list of tenants"),
+        ({"tenants": {"name": "a"}}, "workload.tenants: got {name: 'a'}, expected a non-empty list of tenants"),
+        ({"tenants": [5]}, "workload.tenants[0]: got 5, expected a mapping with keys name, share, priority"),
+        ({"tenants": [_TENANT, {"name": "b", "share": 0}]}, "workload.tenants[1].share: got 0, expected a finite "
+                                                            "number > 0"),
+        ({"tenants": [{"name": "a", "shares": 2}]}, "workload.tenants[0].shares: unknown key; did you mean "
+                                                    "workload.tenants[0].share?"),
+        ({"tenants": [_TENANT, _TENANT]}, "workload.tenants[1].name: got 'a', expected a name no earlier tenant has"),
+        ({"tenants": [{"name": ""}]}, "workload.tenants[0].name: got '', expected a non-empty string"),
+        ({"tenants": [{"name": "a", "priority": 1.5}]}, "workload.tenants[0].priority: got 1.5, expected an integer"),
+        ({"tenants": [{"name": "a", "prefix_tokens": -1}]}, "workload.tenants[0].prefix_tokens: got -1, expected an "
+                                                            "integer in [0, 2147483646]"),
+        ({"tenants": [{"name": "a", "prefix_groups": 0}]}, "workload.tenants[0].prefix_groups: got 0, expected an "
+                                                           "integer ≥ 1"),
+        ({"tenants": [{"name": "a", "prefix_tokens": 99}], "max_model_len": 100},
+         "workload.tenants[0].prefix_tokens: got 99, expected ≤ max_model_len - 2 = 98"),
+        ({"tenants": [{"name": "a", "slo": {"ttft_ms": 0}}]}, "workload.tenants[0].slo.ttft_ms: got 0, expected a "
+                                                              "finite number > 0 or null"),
+        ({"tenants": [{"name": "a", "slo": {"ttft": 100}}]}, "workload.tenants[0].slo.ttft: unknown key; did you mean "
+                                                             "workload.tenants[0].slo.ttft_ms?"),
+        ({"tenants": [{"name": "a", "slo": 5}]},
+         "workload.tenants[0].slo: got 5, expected a mapping with keys ttft_ms"),
+        ({"tenants": [{"name": "a", "lengths": {"kind": "zipf"}}]},
+         "workload.tenants[0].lengths.kind: got 'zipf', expected one of fixed, uniform"),
+        ({"tenants": [{"name": "a", "lengths": {"kind": "uniform"}}]},
+         "workload.tenants[0].lengths.prompt_tokens: got 512, expected [low, high] for uniform lengths"),
+        ({"tenants": [{"name": "a", "lengths": {"kind": "trace"}}]},
+         "workload.tenants[0].lengths.kind: got 'trace', expected one of fixed, uniform, geometric, lognormal, "
+         "empirical with poisson arrivals"),
+        ({"tenants": [{"name": "a", "lengths": {"kind": "empirical", "path": "absent.csv"}}]},
+         "workload.tenants[0].lengths.path: got 'absent.csv', expected an existing length sample"),
+        ({"tenants": [{"name": "a", "lengths": {"kind": "lognormal", "prompt_tokens": {"median": 9}}}]},
+         "workload.tenants[0].lengths.prompt_tokens.sigma: missing"),
+    ],
+)
+def test_bad_generated_workloads_are_named(workload, expected):
+    message = config_error({"workload": workload}, base_dir=FIXTURES)
+    assert message.startswith(f"c.yaml: {expected}")
+
+
+def test_a_bad_tenant_from_an_override_names_the_override():
+    with pytest.raises(ConfigError) as raised:
+        load_config(EXAMPLES / "chat.yaml", ["workload.tenants=[{name: a}, {name: b, slo: {itl_ms: -1}}]"])
+    assert str(raised.value) == (
+        f"{EXAMPLES / 'chat.yaml'}: workload.tenants[1].slo.itl_ms: got -1, expected a finite number > 0 or null "
+        "(from --set workload.tenants=[{name: a}, {name: b, slo: {itl_ms: -1}}])"
+    )
+
+
+GENERATED = {
+    "arrivals": {"kind": "piecewise", "profile": [[0, 1], [60, 4.5]], "time_scale": 2},
+    "lengths": {"kind": "lognormal", "prompt_tokens": {"median": 300, "sigma": 1},
+                "output_tokens": {"median": 50, "sigma": 0.5}},
+    "max_model_len": 4096,
+    "tenants": [
+        {"name": "chat", "share": 3, "prefix_tokens": 200, "prefix_groups": 4},
+        {"name": "batch", "share": 1, "priority": 2, "slo": {"ttft_ms": 5000},
+         "lengths": {"kind": "empirical", "path": "../../examples/lengths/sharegpt_sample.csv"}},
+        {"name": "agent", "lengths": {"kind": "geometric", "prompt_tokens": 900, "output_tokens": 40}},
+    ],
+}
+
+
+def test_generated_workload_fields_become_frozen_typed_values():
+    workload = config_from_dict({"workload": GENERATED}, base_dir=FIXTURES).workload
+    assert workload.arrivals.profile == ((0.0, 1.0), (60.0, 4.5))
+    assert workload.lengths.prompt_tokens == LognormalSpec(median=300.0, sigma=1.0)
+    chat, batch, agent = workload.tenants
+    assert chat == TenantConfig(name="chat", share=3.0, prefix_tokens=200, prefix_groups=4)
+    assert (batch.priority, batch.slo) == (2, SloConfig(ttft_ms=5000.0))
+    assert batch.lengths == LengthsConfig(kind="empirical", path=str(EXAMPLES / "lengths" / "sharegpt_sample.csv"))
+    assert agent.lengths == LengthsConfig(kind="geometric", prompt_tokens=900.0, output_tokens=40.0)
+    hash(workload)   # the search caches workloads by their config
+
+
+def test_generated_workloads_survive_the_round_trip_a_study_records():
+    # Studies store the config as JSON (search/provenance.py) and read it back with config_from_dict.
+    config = config_from_dict({"workload": GENERATED}, base_dir=FIXTURES)
+    recorded = json.loads(json.dumps(config.to_dict()))
+    assert config_from_dict(recorded) == config
+
+
+def test_servegen_and_empirical_paths_resolve_against_the_config_folder(tmp_path):
+    (tmp_path / "trace.csv").write_text("0,1.0,1.0,Gamma,1.0,1.0\n")
+    (tmp_path / "lengths.csv").write_text("num_prefill_tokens,num_decode_tokens\n5,6\n")
+    (tmp_path / "c.yaml").write_text("workload: {arrivals: {kind: servegen, path: trace.csv}, "
+                                     "lengths: {kind: empirical, path: lengths.csv}}\n")
+    workload = load_config(tmp_path / "c.yaml").workload
+    assert workload.arrivals.path == str(tmp_path / "trace.csv")
+    assert workload.lengths.path == str(tmp_path / "lengths.csv")
+    assert workload.num_requests == 2000   # a cap on the generated requests, as for the other generated kinds
 
 
 def test_cross_field_rules():

@@ -1,20 +1,28 @@
-"""Trace loading: the shipped Azure trace against its published statistics, hand-computed fixtures, and a
-corpus of broken files that must each fail with one TraceError naming the file, the row and the column."""
+"""Trace loading: the shipped traces and those in ../shared/data against their published statistics,
+hand-computed fixtures, round trips of every per-request field, and a corpus of broken files that must each
+fail with one TraceError naming the file, the row and the column (more, for every format, in
+test_trace_fuzz.py)."""
 from __future__ import annotations
 
+import csv
+import json
+import math
 import random
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from servetune.envs.traces import load_trace
+from servetune.envs.traces import block_reuse_rate, load_trace
+from servetune.envs.workload import NO_PREFIX, Workload
 from servetune.errors import TraceError
 from servetune.paths import REPO_ROOT, shared_data_dir
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SHIPPED_CONV = REPO_ROOT / "examples" / "traces" / "AzureLLMInferenceTrace_conv.csv"
+MOONCAKE_HEAD = FIXTURES / "traces" / "mooncake_conversation_first200.jsonl"
+SHARED = shared_data_dir()
+needs_shared_data = pytest.mark.skipif(SHARED is None, reason="../shared/data is absent (or set SERVETUNE_SHARED_DATA)")
 
 
 @pytest.fixture(scope="module")
@@ -55,27 +63,11 @@ def test_azure_timestamps_are_rebased_to_the_first_request(conv):
     assert conv.output_tokens[:5].tolist() == [44, 109, 55, 16, 16]
 
 
-@pytest.mark.skipif(shared_data_dir() is None, reason="../shared/data is absent: no original to compare with")
+@needs_shared_data
 def test_shipped_conv_trace_is_a_byte_for_byte_copy_of_the_original():
-    original = shared_data_dir() / "traces" / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
+    original = SHARED / "traces" / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
     assert SHIPPED_CONV.read_bytes() == original.read_bytes()
     assert (SHIPPED_CONV.parent / "LICENSE").read_bytes() == (original.parent / "LICENSE").read_bytes()
-
-
-def test_loading_the_conv_trace_takes_well_under_a_second():
-    start = time.perf_counter()
-    load_trace(SHIPPED_CONV, "azure")
-    assert time.perf_counter() - start < 0.5
-
-
-def test_loading_20k_processed_rows_takes_well_under_a_second(tmp_path):
-    path = tmp_path / "big.csv"
-    rows = "".join(f"{i * 0.01:.6f},{1 + i % 4000},{1 + i % 500}\n" for i in range(20_000))
-    path.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n" + rows)
-    start = time.perf_counter()
-    workload = load_trace(path, "processed")
-    assert time.perf_counter() - start < 0.5
-    assert workload.num_requests == 20_000
 
 
 def test_processed_fixture_keeps_arrived_at_as_given():
@@ -175,8 +167,9 @@ def test_file_that_is_not_utf8_text_raises_trace_error(tmp_path):
 def test_missing_file_and_unknown_format_raise_trace_error(tmp_path):
     with pytest.raises(TraceError, match="no such trace file"):
         load_trace(tmp_path / "absent.csv", "processed")
-    with pytest.raises(TraceError, match="expected one of azure, processed"):
-        load_trace(FIXTURES / "tiny_processed.csv", "mooncake")
+    with pytest.raises(TraceError, match="got trace format 'sharegpt', expected one of azure, mooncake, processed, "
+                                         "servetune"):
+        load_trace(FIXTURES / "tiny_processed.csv", "sharegpt")
 
 
 def test_randomly_mangled_traces_load_or_raise_trace_error_only(tmp_path):
@@ -200,3 +193,202 @@ def test_randomly_mangled_traces_load_or_raise_trace_error_only(tmp_path):
         assert workload.num_requests >= 1
         assert np.all(np.diff(workload.arrival_s) >= 0) and workload.arrival_s[0] == 0
         assert workload.prompt_tokens.min() >= 1 and workload.output_tokens.min() >= 1
+
+
+def test_a_bad_byte_is_located_from_the_start_of_the_file(tmp_path):
+    # Far past the first chunk a text stream decodes, and after a byte-order mark, which counts as 3 bytes.
+    path = tmp_path / "late_bad_byte.csv"
+    text = "\ufeff" + PROCESSED_HEADER + "0.0,10,5\n" * 20_000
+    path.write_bytes(text.encode() + b"1.0,1\xff,5\n")
+    bad_byte = len(text.encode()) + 5
+    with pytest.raises(TraceError, match=rf": line 20002: byte {bad_byte}: not UTF-8 text, expected a CSV trace file$"):
+        load_trace(path, "processed")
+
+
+# --- the traces in ../shared/data, against MANIFEST.md and Mooncake's FAST25-release-README.md -----------------
+
+def _gap_cv(arrival_s: np.ndarray) -> float:
+    gaps = np.diff(arrival_s)
+    return gaps.std() / gaps.mean()
+
+
+@needs_shared_data
+def test_azure_code_trace_matches_the_published_statistics():
+    # MANIFEST.md: 8,819 rows, 57 min, 2.6 req/s, very bursty: CV 13, idle gaps up to 217 s;
+    # input mean/p50/p99 2048/1469/7436, output 28/13/251.
+    code = load_trace(SHARED / "traces" / "azure_llm_2023" / "AzureLLMInferenceTrace_code.csv", "azure")
+    assert code.num_requests == 8_819
+    duration_s = code.arrival_s[-1]
+    assert 56.5 * 60 < duration_s < 57.5 * 60
+    assert code.num_requests / duration_s == pytest.approx(2.6, abs=0.05)
+    assert _gap_cv(code.arrival_s) == pytest.approx(13, abs=0.5)
+    assert np.diff(code.arrival_s).max() == pytest.approx(217, abs=0.5)
+    assert code.prompt_tokens.mean() == pytest.approx(2048, abs=0.5)
+    assert np.percentile(code.prompt_tokens, 50) == 1469
+    assert np.percentile(code.prompt_tokens, 99) == pytest.approx(7436, abs=1)
+    assert code.output_tokens.mean() == pytest.approx(28, abs=0.5)
+    assert np.percentile(code.output_tokens, 50) == 13
+    assert np.percentile(code.output_tokens, 99) == pytest.approx(251, abs=1)
+
+
+@needs_shared_data
+def test_mooncake_conversation_trace_matches_the_published_statistics():
+    # MANIFEST.md: 12,031 requests, 1 h, input p50 6,909 and p99 85,400, timestamps quantized to ~3 s, 37% block
+    # hit rate with an unlimited cache; Mooncake's README: average input 12,035 and output 343 tokens.
+    conversation = load_trace(SHARED / "traces" / "mooncake" / "conversation_trace.jsonl", "mooncake")
+    assert conversation.num_requests == 12_031
+    assert 55 * 60 < conversation.arrival_s[-1] <= 60 * 60
+    assert conversation.prompt_tokens.mean() == pytest.approx(12_035, abs=0.5)
+    assert np.percentile(conversation.prompt_tokens, 50) == 6_909
+    assert np.percentile(conversation.prompt_tokens, 99) == pytest.approx(85_400, abs=1)
+    assert conversation.output_tokens.mean() == pytest.approx(343, abs=0.5)
+    distinct_gaps = np.diff(np.unique(conversation.arrival_s))
+    assert np.all(np.abs(distinct_gaps - 3.0) < 0.005)
+    assert block_reuse_rate(conversation) == pytest.approx(0.37, abs=0.005)
+
+
+@needs_shared_data
+def test_mooncake_synthetic_trace_matches_the_published_statistics():
+    # MANIFEST.md: 3,993 requests with Poisson arrivals, 64% block hit rate with an unlimited cache;
+    # Mooncake's README: average input 15,325 and output 149 tokens.
+    synthetic = load_trace(SHARED / "traces" / "mooncake" / "synthetic_trace.jsonl", "mooncake")
+    assert synthetic.num_requests == 3_993
+    assert _gap_cv(synthetic.arrival_s) == pytest.approx(1.0, abs=0.05)   # exponential gaps
+    assert synthetic.prompt_tokens.mean() == pytest.approx(15_325, abs=0.5)
+    assert synthetic.output_tokens.mean() == pytest.approx(149, abs=0.5)
+    assert block_reuse_rate(synthetic) == pytest.approx(0.64, abs=0.005)
+
+
+# --- mooncake ----------------------------------------------------------------------------------------------
+
+def _hash_lists(workload: Workload) -> list[list[int]]:
+    offsets = workload.hash_offsets
+    return [workload.hash_ids[offsets[i]:offsets[i + 1]].tolist() for i in range(workload.num_requests)]
+
+
+@needs_shared_data
+def test_mooncake_fixture_is_the_head_of_the_original_with_its_licence():
+    original = SHARED / "traces" / "mooncake"
+    head = b"".join((original / "conversation_trace.jsonl").read_bytes().splitlines(keepends=True)[:200])
+    assert MOONCAKE_HEAD.read_bytes() == head
+    assert (MOONCAKE_HEAD.parent / "LICENSE-APACHE").read_bytes() == (original / "LICENSE-APACHE").read_bytes()
+
+
+def test_mooncake_fixture_loads_as_written():
+    workload = load_trace(MOONCAKE_HEAD, "mooncake")
+    assert workload.num_requests == 200
+    # Its first line: {"timestamp": 0, "input_length": 6758, "output_length": 500, "hash_ids": [0, 1, ..., 13]};
+    # its last: {"timestamp": 72000, "input_length": 19978, "output_length": 448, "hash_ids": [0, 5176, ...]}.
+    assert (workload.arrival_s[0], workload.prompt_tokens[0], workload.output_tokens[0]) == (0.0, 6758, 500)
+    assert (workload.arrival_s[-1], workload.prompt_tokens[-1], workload.output_tokens[-1]) == (72.0, 19978, 448)
+    hash_lists = _hash_lists(workload)
+    assert hash_lists[0] == list(range(14))
+    assert hash_lists[-1][:2] == [0, 5176]
+    assert workload.hash_block_tokens == 512
+    assert [len(ids) for ids in hash_lists] == [math.ceil(n / 512) for n in workload.prompt_tokens]
+    # The rate counted by hand: a block hits when its id was seen before, in this request or an earlier one.
+    seen, hits = set(), 0
+    for ids in hash_lists:
+        for hash_id in ids:
+            hits += hash_id in seen
+            seen.add(hash_id)
+    assert block_reuse_rate(workload) == pytest.approx(hits / len(workload.hash_ids), abs=1e-15)
+
+
+def test_block_reuse_rate_counts_repeats_across_and_within_requests():
+    # Blocks [0 1 2] [0 1 3] [4 4]: the second request's 0 and 1 hit, and so does the third's second 4: 3 of 8.
+    workload = Workload.from_lists([0, 1, 2], [1536, 1536, 1024], [1, 1, 1])
+    hashed = Workload(workload.arrival_s, workload.prompt_tokens, workload.output_tokens,
+                      hash_offsets=np.array([0, 3, 6, 8]), hash_ids=np.array([0, 1, 2, 0, 1, 3, 4, 4]))
+    assert block_reuse_rate(hashed) == 3 / 8
+    with pytest.raises(ValueError, match="has no block hashes"):
+        block_reuse_rate(workload)
+
+
+def test_mooncake_round_trip_keeps_every_field(tmp_path):
+    rng = np.random.default_rng(7)
+    requests = []
+    timestamp_ms = 1_700_000_000_000   # a wall-clock epoch in ms: rebasing must make it 0
+    for _ in range(300):
+        timestamp_ms += int(rng.integers(0, 5_000))
+        prompt = int(rng.integers(1, 40_000))
+        hash_ids = [int(h) for h in rng.integers(0, 2**63 - 1, size=math.ceil(prompt / 512), dtype=np.int64)]
+        requests.append({"timestamp": timestamp_ms, "input_length": prompt,
+                         "output_length": int(rng.integers(1, 2_000)), "hash_ids": hash_ids})
+    path = tmp_path / "round_trip.jsonl"
+    path.write_text("".join(json.dumps(request) + "\n" for request in requests))
+    workload = load_trace(path, "mooncake")
+    first = requests[0]["timestamp"]
+    assert workload.arrival_s.tolist() == [(r["timestamp"] - first) / 1000 for r in requests]
+    assert workload.prompt_tokens.tolist() == [r["input_length"] for r in requests]
+    assert workload.output_tokens.tolist() == [r["output_length"] for r in requests]
+    assert _hash_lists(workload) == [r["hash_ids"] for r in requests]
+    assert workload.hash_offsets.dtype == workload.hash_ids.dtype == np.int64
+    assert workload.description == "mooncake trace round_trip.jsonl"
+
+
+def test_mooncake_accepts_fractional_times_extra_keys_crlf_blank_lines_and_a_byte_order_mark(tmp_path):
+    path = tmp_path / "lenient.jsonl"
+    path.write_bytes(
+        "\ufeff".encode()
+        + b'{"timestamp": 1000.5, "input_length": 1, "output_length": 2, "hash_ids": [7], "session": "a"}\r\n'
+        + b"\r\n"
+        + b'{"hash_ids": [7, 8], "output_length": 4, "input_length": 513, "timestamp": 1250}'   # no final line end
+    )
+    workload = load_trace(path, "mooncake")
+    assert workload.arrival_s.tolist() == [0.0, 0.2495]
+    assert workload.prompt_tokens.tolist() == [1, 513] and workload.output_tokens.tolist() == [2, 4]
+    assert _hash_lists(workload) == [[7], [7, 8]]
+
+
+# --- servetune CSV -----------------------------------------------------------------------------------------
+
+def test_servetune_format_reads_tenants_priorities_and_prefix_ids():
+    path = FIXTURES / "traces" / "tiny_servetune.csv"
+    workload = load_trace(path, "servetune")
+    assert workload.arrival_s.tolist() == [0.0, 0.25, 0.25, 1.5, 2.0]
+    assert workload.prompt_tokens.tolist() == [100, 2048, 64, 512, 8]
+    assert workload.output_tokens.tolist() == [20, 1, 256, 64, 1]
+    assert workload.tenant_names == ("chat", "batch", "search")   # in the order they first appear
+    assert workload.tenant.tolist() == [0, 1, 0, 2, 1]
+    assert workload.priority.tolist() == [0, 5, -2, 2147483647, -2147483648]
+    assert workload.prefix_id.tolist() == [3, NO_PREFIX, 3, 0, NO_PREFIX]
+    assert workload.description == "servetune trace tiny_servetune.csv"
+
+
+def test_servetune_format_without_optional_columns_gets_the_workload_defaults(tmp_path):
+    path = tmp_path / "plain.csv"
+    path.write_text("num_decode_tokens,arrived_at,num_prefill_tokens\n5,0.0,50\n7,1.0,70\n")
+    workload = load_trace(path, "servetune")
+    assert workload.prompt_tokens.tolist() == [50, 70] and workload.output_tokens.tolist() == [5, 7]
+    assert workload.tenant_names == ("default",) and workload.tenant.tolist() == [0, 0]
+    assert workload.priority.tolist() == [0, 0]
+    assert workload.prefix_id.tolist() == [NO_PREFIX, NO_PREFIX]
+
+
+def test_servetune_round_trip_keeps_every_field(tmp_path):
+    rng = np.random.default_rng(11)
+    # Names that need CSV quoting, or look like numbers, must come back as written.
+    names = ['team "a", west', "0", " padded ", "ünïcode", "b"]
+    n = 500
+    arrival_s = np.cumsum(rng.exponential(0.3, size=n))
+    prompt = rng.integers(1, 2**31, size=n)
+    output = rng.integers(1, 5_000, size=n)
+    tenants = [names[i] for i in rng.integers(0, len(names), size=n)]
+    priority = rng.integers(-2**31, 2**31, size=n)
+    prefix_id = np.where(rng.random(n) < 0.3, NO_PREFIX, rng.integers(0, 2**31, size=n))
+    path = tmp_path / "round_trip.csv"
+    with open(path, "w", newline="", encoding="utf-8") as file:
+        writer = csv.writer(file)
+        writer.writerow(["prefix_id", "tenant", "arrived_at", "priority", "num_prefill_tokens", "num_decode_tokens"])
+        for row in zip(prefix_id, tenants, arrival_s, priority, prompt, output):
+            writer.writerow(["" if row[0] == NO_PREFIX else row[0], row[1], repr(float(row[2])), *row[3:]])
+    workload = load_trace(path, "servetune")
+    assert workload.arrival_s.tolist() == arrival_s.tolist()   # repr of a float reads back exactly
+    assert workload.prompt_tokens.tolist() == prompt.tolist()
+    assert workload.output_tokens.tolist() == output.tolist()
+    # Fields are stripped of surrounding spaces, as every CSV field is.
+    assert [workload.tenant_names[t] for t in workload.tenant] == [name.strip() for name in tenants]
+    assert workload.tenant_names == tuple(dict.fromkeys(name.strip() for name in tenants))
+    assert workload.priority.tolist() == priority.tolist()
+    assert workload.prefix_id.tolist() == prefix_id.tolist()

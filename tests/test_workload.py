@@ -1,17 +1,22 @@
-"""Workloads built from config: Poisson arrivals against queueing theory, seeding, trace replay, length kinds."""
+"""Workloads built from config, against independent truth: arrival processes against their rates, counts
+and gap moments (confidence intervals), length distributions against their closed forms, tenants against
+their shares, cuts and trace windows against hand-computed arrays, and seeding."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from servetune.config import ArrivalsConfig, LengthsConfig, WorkloadConfig
-from servetune.config_loader import load_config
+from servetune.config import ArrivalsConfig, LengthsConfig, TenantConfig, WorkloadConfig
+from servetune.config_loader import config_from_dict, load_config
+from servetune.envs.lengths import MAX_TOKEN_COUNT
 from servetune.envs.traces import load_trace
-from servetune.envs.workload import Workload, build_workload
-from servetune.paths import REPO_ROOT
+from servetune.envs.workload import NO_PREFIX, Workload, build_workload, take_rows
+from servetune.errors import TraceError
+from servetune.paths import REPO_ROOT, shared_data_dir
 
 FIXTURES = Path(__file__).parent / "fixtures"
 EXAMPLES = REPO_ROOT / "examples"
@@ -142,3 +147,441 @@ def test_azure_example_replays_all_rows_at_seven_tenths_of_the_rate():
     # The trace spans 18:15:46.6805900 to 19:14:08.4025270: 3,501.7219370 s, stretched by 1 / 0.7.
     assert workload.arrival_s[-1] == pytest.approx(3501.721937 / 0.7, rel=1e-12)
     assert workload.prompt_tokens[:3].tolist() == [374, 396, 879]
+
+
+# --- generated arrival processes -----------------------------------------------------------------------------
+
+def generated(arrivals: dict, num_requests=2000, seed: int = 0, lengths=None, **workload) -> WorkloadConfig:
+    """A validated workload config (so profiles, tenants and paths are as the loader makes them)."""
+    data = {"arrivals": arrivals, "num_requests": num_requests, "seed": seed, **workload}
+    if lengths is not None:
+        data["lengths"] = lengths
+    return config_from_dict({"workload": data}, base_dir=FIXTURES).workload
+
+
+def poisson_count_bound(expected: float) -> float:
+    """Four standard deviations of a Poisson count with this mean."""
+    return 4 * math.sqrt(expected)
+
+
+@pytest.mark.parametrize("cv", [0.5, 2.0])
+def test_gamma_gaps_have_mean_one_over_rate_and_the_configured_cv(cv):
+    n, rate = 50_000, 4.0
+    workload = build_workload(generated({"kind": "gamma", "rate": rate, "cv": cv}, num_requests=n, seed=2))
+    gaps = np.diff(np.concatenate([[0.0], workload.arrival_s]))
+    mean, variance = 1 / rate, (cv / rate) ** 2
+    assert abs(gaps.mean() - mean) < 4 * math.sqrt(variance / n)
+    # The sample variance's standard error from the Gamma's fourth moment: Var(s²) ≈ σ⁴ (2 + 6/shape) / n.
+    shape = 1 / cv**2
+    assert abs(gaps.var(ddof=1) - variance) < 4 * variance * math.sqrt((2 + 6 / shape) / n)
+
+
+def test_rate_scale_speeds_a_gamma_process_up_exactly():
+    base = build_workload(generated({"kind": "gamma", "rate": 3.0, "cv": 3.0}, seed=5))
+    doubled = build_workload(generated({"kind": "gamma", "rate": 3.0, "cv": 3.0, "rate_scale": 2.0}, seed=5))
+    np.testing.assert_array_equal(doubled.arrival_s, base.arrival_s / 2)
+    assert "6 req/s (3 at 2x rate)" in doubled.description
+
+
+def test_onoff_arrivals_fall_only_in_on_periods_at_the_configured_rate():
+    rate, on_s, off_s, n = 5.0, 10.0, 20.0, 20_000
+    arrival_s = build_workload(generated({"kind": "onoff", "rate": rate, "on_s": on_s, "off_s": off_s},
+                                         num_requests=n, seed=3)).arrival_s
+    phase_s = np.mod(arrival_s, on_s + off_s)
+    assert phase_s.max() < on_s + 1e-9
+    # The first 150 cycles: a Poisson count of mean rate · on_s per cycle.
+    cycles = 150
+    count = np.count_nonzero(arrival_s < cycles * (on_s + off_s))
+    expected = rate * on_s * cycles
+    assert count < n and abs(count - expected) < poisson_count_bound(expected)
+
+
+def test_piecewise_counts_per_segment_are_poisson_with_the_segments_rate():
+    profile = [[0, 2.0], [100, 0.0], [150, 10.0], [200, 1.0]]
+    for time_scale in (1.0, 4.0):
+        arrival_s = build_workload(generated({"kind": "piecewise", "profile": profile, "time_scale": time_scale},
+                                             seed=4)).arrival_s * time_scale   # back on the profile's clock
+        assert arrival_s[-1] > 200   # the last rate holds on past the profile
+        counts = np.histogram(arrival_s, bins=[0, 100, 150, 200])[0]
+        assert counts[1] == 0
+        for count, expected in ((counts[0], 200.0), (counts[2], 500.0)):
+            assert abs(count - expected) < poisson_count_bound(expected)
+
+
+def test_a_profile_ending_at_rate_zero_ends_the_workload_and_says_so():
+    workload = build_workload(generated({"kind": "piecewise", "profile": [[0, 3.0], [50, 0.0]]}, num_requests=10_000))
+    assert workload.arrival_s[-1] < 50
+    assert abs(workload.num_requests - 150) < poisson_count_bound(150)
+    assert "its rate is 0 from 50 s: it ends short of num_requests 10000" in workload.description
+    assert f"{workload.num_requests} requests" in workload.description
+
+
+# --- ServeGen -------------------------------------------------------------------------------------------------
+
+# Three 600 s windows: 2 req/s with Gamma gaps of cv 3, none, 0.5 req/s with Weibull gaps of shape 0.5 (cv √5).
+SERVEGEN_ROWS = "0,2.0,3.0,Gamma,0.1111111111,4.5\n600,0,0,,0,0\n1200,0.5,2.2,Weibull,0.5,0.7\n"
+
+
+@pytest.fixture(scope="module")
+def three_windows(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("servegen") / "trace.csv"
+    path.write_text(SERVEGEN_ROWS)
+    return str(path)
+
+
+def window_counts(path, seeds, edges, **arrivals) -> np.ndarray:
+    """Arrivals per window (columns) for each seed (rows)."""
+    return np.array([np.histogram(build_workload(generated({"kind": "servegen", "path": str(path), **arrivals},
+                                                           num_requests=None, seed=seed)).arrival_s, bins=edges)[0]
+                     for seed in seeds])
+
+
+def assert_mean_counts(counts: np.ndarray, expected: np.ndarray) -> None:
+    """Each window's mean count over the seeds within four standard errors of its expected count; the counts
+    of a bursty process are far from Poisson, so the error comes from their spread across the seeds."""
+    standard_error = counts.std(axis=0, ddof=1) / math.sqrt(len(counts))
+    assert np.all(np.abs(counts.mean(axis=0) - expected) <= 4 * standard_error + 1e-9)
+
+
+def test_servegen_windows_arrive_at_the_files_rates(three_windows):
+    counts = window_counts(three_windows, range(40), [0, 600, 1200, 1800])
+    assert np.all(counts[:, 1] == 0)
+    assert_mean_counts(counts, np.array([1200.0, 0.0, 300.0]))
+    # Played 10 times faster at twice the rate: the same windows, 60 s long, with twice the arrivals.
+    fast = window_counts(three_windows, range(40), [0, 60, 120, 180], time_scale=10.0, rate_scale=2.0)
+    assert_mean_counts(fast, np.array([2400.0, 0.0, 600.0]))
+
+
+def test_bursty_servegen_windows_start_in_equilibrium_and_are_not_inflated(tmp_path):
+    # 200 quiet, very bursty windows (0.14 req/s, Gamma gaps of cv 5): 84 expected arrivals each. A window
+    # that opened with an ordinary gap instead of the equilibrium delay would average (cv² - 1) / 2 = 12 more.
+    path = tmp_path / "trace.csv"
+    path.write_text("".join(f"{600 * i},0.14,5.0,Gamma,0.04,178.6\n" for i in range(200)))
+    counts = window_counts(path, range(10), np.arange(201) * 600.0).ravel()
+    assert abs(counts.mean() - 84.0) < 4 * counts.std(ddof=1) / math.sqrt(len(counts))
+
+
+def test_servegen_num_requests_stops_the_same_stream(three_windows):
+    whole = build_workload(generated({"kind": "servegen", "path": three_windows}, num_requests=None, seed=1))
+    capped = build_workload(generated({"kind": "servegen", "path": three_windows}, num_requests=100, seed=1))
+    np.testing.assert_array_equal(capped.arrival_s, whole.arrival_s[:100])
+    assert "(1 of 3 windows)" in capped.description
+
+
+def test_servegen_m_large_mean_rate_per_window_matches_the_file(tmp_path):
+    shared = shared_data_dir()
+    if shared is None:
+        pytest.skip("needs ../shared/data (the ServeGen m-large trace)")
+    rows = (shared / "workload_stats/servegen/data/language/m-large/chunk-0-trace.csv").read_text().splitlines()[:72]
+    path = tmp_path / "m-large-12h.csv"
+    path.write_text("\n".join(rows) + "\n")
+    rates = np.array([float(row.split(",")[1]) for row in rows])
+    counts = window_counts(path, range(20), np.arange(73) * 600.0)
+    # Summed over the 72 windows (12 hours), whose counts are independent.
+    expected = 600 * rates
+    spread = math.sqrt(np.sum(counts.var(axis=0, ddof=1)) / len(counts))
+    assert abs(counts.mean(axis=0).sum() - expected.sum()) < 4 * spread
+    assert np.all(counts[:, rates == 0] == 0)
+
+
+@pytest.mark.parametrize(
+    "text,fragments",
+    [
+        ("0,1,1,Gamma,1,1\n0,1,1,Gamma,1,1\n", ["row 2 (line 2)", "window_start_s: got '0'", "after the previous"]),
+        ("0,-1,1,Gamma,1,1\n", ["row 1", "rate: got '-1', expected a number ≥ 0"]),
+        ("0,1,nan,Gamma,1,1\n", ["row 1", "cv: got 'nan'"]),
+        ("0,1,1,Poisson,1,1\n", ["row 1", "distribution: got 'Poisson', expected one of Gamma, Weibull"]),
+        ("0,1,1,,0,0\n", ["row 1", "distribution: got '', expected one of Gamma, Weibull"]),
+        ("0,1,1,Weibull,0,1\n", ["row 1", "shape: got '0', expected a number > 0"]),
+        ("0,1,1,Gamma,1,x\n", ["row 1", "scale: got 'x', expected a number > 0"]),
+        ("0,1,1,Gamma,1\n", ["row 1", "got 5 fields, expected 6"]),
+        ("", ["the ServeGen trace has no windows"]),
+        ("0,0,0,,0,0\n600,0,0,,0,0\n", ["every window's rate is 0"]),
+    ],
+)
+def test_bad_servegen_rows_are_named(tmp_path, text, fragments):
+    path = tmp_path / "trace.csv"
+    path.write_text(text)
+    with pytest.raises(TraceError) as raised:
+        build_workload(generated({"kind": "servegen", "path": str(path)}))
+    message = str(raised.value)
+    assert message.startswith(f"{path}: ") and "\n" not in message
+    for fragment in fragments:
+        assert fragment in message
+
+
+# --- length distributions -------------------------------------------------------------------------------------
+
+def lengths_of(lengths: dict, n: int = 20_000, seed: int = 0, **workload):
+    return build_workload(generated({"kind": "poisson", "rate": 1.0}, num_requests=n, seed=seed, lengths=lengths,
+                                    **workload))
+
+
+def binomial_bound(p: float, n: int) -> float:
+    return 4 * math.sqrt(p * (1 - p) / n)
+
+
+def test_geometric_lengths_start_at_one_with_the_configured_mean():
+    n = 20_000
+    workload = lengths_of({"kind": "geometric", "prompt_tokens": 50, "output_tokens": 1}, n)
+    prompt = workload.prompt_tokens
+    assert prompt.min() >= 1 and set(workload.output_tokens.tolist()) == {1}   # mean 1: always exactly 1
+    p = 1 / 50
+    assert abs(prompt.mean() - 50) < 4 * math.sqrt((1 - p) / p**2 / n)
+    assert abs(np.mean(prompt == 1) - p) < binomial_bound(p, n)   # P(X = 1) = p
+
+
+def normal_cdf(x: float) -> float:
+    return 0.5 * (1 + math.erf(x / math.sqrt(2)))
+
+
+def test_lognormal_lengths_have_the_configured_median_and_spread():
+    n, median, sigma = 20_000, 200, 0.8
+    workload = lengths_of({"kind": "lognormal", "prompt_tokens": {"median": median, "sigma": sigma},
+                           "output_tokens": {"median": 30, "sigma": 0}}, n)
+    assert set(workload.output_tokens.tolist()) == {30}
+    # Rounded to the nearest integer: X ≤ x exactly when median · exp(σZ) < x + 0.5.
+    for x in (60, 200, 600):
+        p = normal_cdf(math.log((x + 0.5) / median) / sigma)
+        assert abs(np.mean(workload.prompt_tokens <= x) - p) < binomial_bound(p, n)
+    assert workload.prompt_tokens.min() >= 1
+
+
+def test_a_long_tail_past_the_token_limit_is_cut_and_counted():
+    workload = lengths_of({"kind": "lognormal", "prompt_tokens": {"median": 1, "sigma": 30},
+                           "output_tokens": {"median": 1, "sigma": 0}}, n=2000)
+    at_limit = np.count_nonzero(workload.prompt_tokens == MAX_TOKEN_COUNT)
+    # P(exp(30 Z) > 2^31 - 1) = P(Z > 0.716) ≈ 0.237
+    assert at_limit > 300 and workload.clipped == at_limit
+    assert f"{at_limit} requests cut to the 2147483647-token limit" in workload.description
+
+
+SHAREGPT_SAMPLE = EXAMPLES / "lengths" / "sharegpt_sample.csv"
+
+
+def test_empirical_lengths_resample_whole_rows_with_the_files_marginals():
+    n = 20_000
+    workload = lengths_of({"kind": "empirical", "path": str(SHAREGPT_SAMPLE)}, n)
+    sample = np.loadtxt(SHAREGPT_SAMPLE, delimiter=",", skiprows=1, dtype=np.int64)
+    rows = set(map(tuple, sample.tolist()))
+    assert set(zip(workload.prompt_tokens.tolist(), workload.output_tokens.tolist())) <= rows   # jointly
+    for drawn, column in ((workload.prompt_tokens, sample[:, 0]), (workload.output_tokens, sample[:, 1])):
+        assert abs(drawn.mean() - column.mean()) < 4 * column.std() / math.sqrt(n)
+        p = np.mean(column <= np.median(column))
+        assert abs(np.mean(drawn <= np.median(column)) - p) < binomial_bound(p, n)
+
+
+@pytest.mark.parametrize("sample,source", [
+    ("sharegpt_sample.csv", "sharegpt_8k_filtered_stats_llama2_tokenizer.csv"),
+    ("arxiv_sample.csv", "arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv"),
+])
+def test_the_shipped_length_samples_are_drawn_from_the_shared_files(sample, source):
+    shared = shared_data_dir()
+    if shared is None:
+        pytest.skip("needs ../shared/data (the full length files)")
+    full = np.loadtxt(shared / "lengths" / source, delimiter=",", skiprows=1)[:, :2].astype(np.int64)
+    drawn = np.loadtxt(EXAMPLES / "lengths" / sample, delimiter=",", skiprows=1, dtype=np.int64)
+    assert len(drawn) == 2000 and set(map(tuple, drawn.tolist())) <= set(map(tuple, full.tolist()))
+    # 2,000 rows without replacement: the mean's standard error with the finite-population correction.
+    correction = math.sqrt((len(full) - len(drawn)) / (len(full) - 1))
+    for column in (0, 1):
+        error = full[:, column].std() / math.sqrt(len(drawn)) * correction
+        assert abs(drawn[:, column].mean() - full[:, column].mean()) < 4 * error
+
+
+@pytest.mark.parametrize(
+    "text,fragments",
+    [
+        ("num_prefill_tokens,other\n5,6\n", ["line 1", "lacks num_decode_tokens"]),
+        ("num_prefill_tokens,num_decode_tokens\n5,6\n0,6\n", ["row 2 (line 3)", "num_prefill_tokens: got '0'"]),
+        ("num_prefill_tokens,num_decode_tokens\n5,6.5\n",
+         ["row 1", "num_decode_tokens: got '6.5', expected an integer"]),
+        ("num_prefill_tokens,num_decode_tokens\n5\n", ["row 1", "got 1 fields, expected 2"]),
+        ("num_prefill_tokens,num_decode_tokens\n", ["the length sample has no rows"]),
+    ],
+)
+def test_bad_length_samples_are_named(tmp_path, text, fragments):
+    path = tmp_path / "lengths.csv"
+    path.write_text(text)
+    with pytest.raises(TraceError) as raised:
+        lengths_of({"kind": "empirical", "path": str(path)}, n=10)
+    message = str(raised.value)
+    assert message.startswith(f"{path}: ") and "\n" not in message
+    for fragment in fragments:
+        assert fragment in message
+
+
+# --- max_model_len ----------------------------------------------------------------------------------------------
+
+def test_max_model_len_cuts_prompts_then_outputs_and_counts_each_request_once():
+    # tiny_processed: (prompt, output) = (100, 10), (200, 20), (300, 30), (50, 1), (1000, 5). At 210: prompts to
+    # at most 209, then outputs to 210 - prompt: rows 2 (output 20 -> 10), 3 and 5 (prompt to 209, output 1).
+    config = dataclasses.replace(replay(), max_model_len=210)
+    workload = build_workload(config)
+    np.testing.assert_array_equal(workload.prompt_tokens, [100, 200, 209, 50, 209])
+    np.testing.assert_array_equal(workload.output_tokens, [10, 10, 1, 1, 1])
+    assert workload.clipped == 3
+    assert "max_model_len 210 (3 requests cut)" in workload.description
+    untouched = build_workload(dataclasses.replace(replay(), max_model_len=1010))
+    assert untouched.clipped == 0 and "max_model_len 1010 (0 requests cut)" in untouched.description
+
+
+# --- tenants ----------------------------------------------------------------------------------------------------
+
+def test_tenants_take_their_shares_priorities_lengths_and_prefixes():
+    n = 30_000
+    tenants = [
+        {"name": "chat", "share": 5, "prefix_tokens": 100, "prefix_groups": 4},
+        {"name": "batch", "share": 3, "priority": 2, "lengths": {"kind": "fixed", "prompt_tokens": 2000,
+                                                                 "output_tokens": 10}},
+        {"name": "rag", "share": 2, "priority": -1, "prefix_tokens": 1000, "prefix_groups": 2,
+         "lengths": {"kind": "uniform", "prompt_tokens": [1, 50], "output_tokens": [1, 4]}},
+    ]
+    workload = build_workload(generated({"kind": "poisson", "rate": 10.0}, num_requests=n, tenants=tenants,
+                                        lengths={"kind": "fixed", "prompt_tokens": 512, "output_tokens": 128}))
+    assert workload.tenant_names == ("chat", "batch", "rag")
+    chat, batch, rag = (workload.tenant == index for index in range(3))
+    for members, p in ((chat, 0.5), (batch, 0.3), (rag, 0.2)):
+        assert abs(members.mean() - p) < binomial_bound(p, n)
+    np.testing.assert_array_equal(workload.priority, np.select([chat, batch, rag], [0, 2, -1]))
+    # chat: the workload's lengths after its 100-token prefix; batch: its own, no prefix; rag: prefix + its own.
+    assert set(workload.prompt_tokens[chat].tolist()) == {612} and set(workload.output_tokens[chat].tolist()) == {128}
+    assert set(workload.prompt_tokens[batch].tolist()) == {2000}
+    assert set(workload.prompt_tokens[rag].tolist()) == set(range(1001, 1051))
+    # Prefix ids are global: chat's groups 0-3, rag's 4-5, each drawn uniformly; batch shares none.
+    assert np.all(workload.prefix_id[batch] == NO_PREFIX)
+    for members, ids in ((chat, range(4)), (rag, range(4, 6))):
+        groups = workload.prefix_id[members]
+        assert set(groups.tolist()) == set(ids)
+        p = 1 / len(ids)
+        for group in ids:
+            assert abs(np.mean(groups == group) - p) < binomial_bound(p, len(groups))
+    assert "3 tenants: chat 50% (priority 0, fixed lengths of 512 prompt / 128 output tokens, a 100-token prefix, " \
+           "one of 4); batch 30%" in workload.description
+
+
+def test_trace_tenants_get_the_configs_priorities_by_name_and_the_rest_is_said():
+    config = WorkloadConfig(
+        arrivals=ArrivalsConfig(kind="trace", path=str(FIXTURES / "traces" / "tiny_servetune.csv"), format="servetune"),
+        lengths=LengthsConfig(kind="trace"), num_requests=None,
+        tenants=(TenantConfig(name="batch", priority=1), TenantConfig(name="gold", share=2.0)))
+    workload = build_workload(config)
+    trace = load_trace(config.arrivals.path, "servetune")
+    assert trace.tenant_names == ("chat", "batch", "search")
+    # The config's tenants first, in its order; then the trace's others.
+    assert workload.tenant_names == ("batch", "gold", "chat", "search")
+    np.testing.assert_array_equal(workload.tenant, [2, 0, 2, 3, 0])
+    np.testing.assert_array_equal(workload.priority, [0, 1, -2, 2147483647, 1])   # batch's rows take priority 1
+    np.testing.assert_array_equal(workload.prefix_id, trace.prefix_id)
+    assert "gold not in the trace" in workload.description
+    assert "their shares, lengths and prefixes are unused" in workload.description
+
+
+# --- trace windows and jitter -----------------------------------------------------------------------------------
+
+def test_a_window_replays_only_its_rows_rebased_to_zero():
+    config = WorkloadConfig(arrivals=ArrivalsConfig(kind="trace", path=TINY_PROCESSED, format="processed",
+                                                    window_start_s=0.5, window_s=4.0),
+                            lengths=LengthsConfig(kind="trace"), num_requests=None)
+    workload = build_workload(config)
+    np.testing.assert_array_equal(workload.arrival_s, [0.0, 0.0, 0.75, 3.5])
+    np.testing.assert_array_equal(workload.prompt_tokens, [100, 200, 300, 50])
+    assert "window [0.5, 4.5) s, 1 of 5 rows outside it" in workload.description
+    empty = dataclasses.replace(config, arrivals=dataclasses.replace(config.arrivals, window_start_s=100.0))
+    with pytest.raises(TraceError, match=r"no rows in the window \[100, 104\) s"):
+        build_workload(empty)
+
+
+def test_jitter_spreads_each_timestamp_uniformly_over_the_next_jitter_s(tmp_path):
+    # 3,000 requests on a 3 s grid, as Mooncake's conversation trace is; prompt i + 1 identifies row i.
+    n, grid_s = 3000, 3.0
+    times = grid_s * (np.arange(n) // 10)
+    path = tmp_path / "grid.csv"
+    path.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n"
+                    + "".join(f"{t},{i + 1},1\n" for i, t in enumerate(times)))
+    config = WorkloadConfig(arrivals=ArrivalsConfig(kind="trace", path=str(path), format="processed", jitter_s=grid_s),
+                            lengths=LengthsConfig(kind="trace"), num_requests=None)
+    workload = build_workload(config)
+    rows = workload.prompt_tokens - 1
+    assert sorted(rows.tolist()) == list(range(n))   # every row once, its counts with it
+    offsets = workload.arrival_s - times[rows]
+    assert offsets.min() >= 0 and offsets.max() < grid_s
+    # Uniform on [0, 3): mean 1.5, sd 3 / √12; and a quarter of them in each quarter of the range.
+    assert abs(offsets.mean() - grid_s / 2) < 4 * grid_s / math.sqrt(12 * n)
+    quarters = np.bincount((offsets / grid_s * 4).astype(int), minlength=4)
+    assert np.all(np.abs(quarters / n - 0.25) < binomial_bound(0.25, n))
+
+
+def block_lists(workload: Workload) -> list[tuple]:
+    offsets = workload.hash_offsets
+    return [tuple(workload.hash_ids[offsets[i]:offsets[i + 1]]) for i in range(workload.num_requests)]
+
+
+def test_windowed_and_jittered_mooncake_rows_keep_their_block_hashes():
+    path = str(FIXTURES / "traces" / "mooncake_conversation_first200.jsonl")
+    trace = load_trace(path, "mooncake")
+    config = WorkloadConfig(arrivals=ArrivalsConfig(kind="trace", path=path, format="mooncake", window_start_s=3.0,
+                                                    window_s=30.0, jitter_s=3.0),
+                            lengths=LengthsConfig(kind="trace"), num_requests=None)
+    workload = build_workload(config)
+    inside = np.flatnonzero((trace.arrival_s >= 3.0) & (trace.arrival_s < 33.0))
+    assert workload.num_requests == len(inside) and workload.hash_block_tokens == trace.hash_block_tokens
+    original = {blocks: (trace.prompt_tokens[i], trace.output_tokens[i])
+                for i, blocks in enumerate(block_lists(trace)) if i in set(inside.tolist())}
+    replayed = block_lists(workload)
+    assert sorted(replayed) == sorted(original)
+    for i, blocks in enumerate(replayed):
+        assert (workload.prompt_tokens[i], workload.output_tokens[i]) == original[blocks]
+
+
+def test_take_rows_slices_the_ragged_hashes_in_the_order_given():
+    workload = Workload(np.array([0.0, 1.0, 2.0]), np.array([3, 1, 2]), np.array([1, 1, 1]),
+                        hash_offsets=np.array([0, 3, 3, 5]), hash_ids=np.array([7, 8, 9, 4, 5]))
+    taken = take_rows(workload, np.array([2, 1, 0]), np.array([0.0, 0.5, 0.5]))
+    np.testing.assert_array_equal(taken.prompt_tokens, [2, 1, 3])
+    np.testing.assert_array_equal(taken.hash_offsets, [0, 2, 2, 5])
+    np.testing.assert_array_equal(taken.hash_ids, [4, 5, 7, 8, 9])
+
+
+# --- determinism ------------------------------------------------------------------------------------------------
+
+ARRAYS = ("arrival_s", "prompt_tokens", "output_tokens", "tenant", "priority", "prefix_id", "prediction_z")
+KINDS = {
+    "gamma": {"kind": "gamma", "rate": 4.0, "cv": 2.0},
+    "onoff": {"kind": "onoff", "rate": 4.0, "on_s": 5.0, "off_s": 5.0},
+    "piecewise": {"kind": "piecewise", "profile": [[0, 1.0], [30, 6.0]]},
+    "servegen": {"kind": "servegen"},   # path: the three_windows file
+}
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_every_generated_kind_is_fixed_by_its_seed(kind, three_windows):
+    arrivals = {**KINDS[kind], "path": three_windows} if kind == "servegen" else KINDS[kind]
+    lengths = {"kind": "lognormal", "prompt_tokens": {"median": 300, "sigma": 1}, "output_tokens": {"median": 50,
+                                                                                                  "sigma": 1}}
+    tenants = [{"name": "a", "share": 2, "prefix_tokens": 10, "prefix_groups": 3},
+               {"name": "b", "priority": 1, "lengths": {"kind": "geometric", "prompt_tokens": 30, "output_tokens": 5}}]
+    first, again, other = (build_workload(generated(arrivals, num_requests=500, seed=seed, lengths=lengths,
+                                                    tenants=tenants)) for seed in (6, 6, 7))
+    for name in ARRAYS:
+        np.testing.assert_array_equal(getattr(first, name), getattr(again, name))
+        assert not np.array_equal(getattr(first, name), getattr(other, name))
+    assert first.description == again.description
+
+
+def test_the_predictor_normals_are_drawn_last_so_earlier_draws_stay_as_they_were():
+    uniform = LengthsConfig(kind="uniform", prompt_tokens=(1, 4096), output_tokens=(1, 1024))
+    workload = build_workload(poisson(rate=4.0, num_requests=300, seed=9, lengths=uniform))
+    rng = np.random.default_rng(9)
+    np.testing.assert_array_equal(workload.arrival_s, np.cumsum(rng.exponential(0.25, size=300)))
+    np.testing.assert_array_equal(workload.prompt_tokens, rng.integers(1, 4096, size=300, endpoint=True))
+    np.testing.assert_array_equal(workload.output_tokens, rng.integers(1, 1024, size=300, endpoint=True))
+    np.testing.assert_array_equal(workload.prediction_z, rng.standard_normal(300))
+
+
+def test_the_multi_tenant_scenario_builds_with_its_cuts_counted():
+    config = load_config(EXAMPLES / "scenarios" / "multi_tenant_api.yaml")
+    workload = build_workload(config.workload)
+    assert workload.tenant_names == ("batch", "product", "startup") and workload.num_requests == 3000
+    assert workload.prompt_tokens.max() <= 4095 and np.all(workload.prompt_tokens + workload.output_tokens <= 4096)
+    assert workload.clipped > 0 and f"max_model_len 4096 ({workload.clipped} requests cut)" in workload.description
