@@ -5,6 +5,9 @@ output tokens minus one; ITL pooled over every inter-token gap. Latencies are in
 JSON. Percentiles use NumPy's default (linear) method, as vLLM does. A statistic with no data is None
 (JSON null), never 0. Pooled ITL percentiles are read from the engine's log-spaced histogram (exact to
 about half a bin, ~0.5%); ITL mean and standard deviation are exact.
+
+Every request is judged against its own SLOs (``RequestSlos``: a tenant's class SLO where one is set), and
+``segment_metrics`` splits the run by tenant, priority, prompt length and arrival window.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from servetune.config import SloConfig
 from servetune.envs.outcome import (
     COMPLETED, NOT_ARRIVED, REJECT_NAMES, REJECTED, STATUS_NAMES, UNFINISHED, SimulationOutcome, itl_bin_edges,
 )
+from servetune.envs.slos import SLO_FIELDS, RequestSlos
 from servetune.envs.workload import Workload
 
 LATENCIES = ("ttft", "tpot", "itl", "e2el")
@@ -51,33 +55,44 @@ def histogram_percentile(counts: np.ndarray, edges: np.ndarray, q: float) -> Opt
     return float(lo * (hi / lo) ** np.clip(fraction, 0.0, 1.0))
 
 
-def good_requests(workload: Workload, outcome: SimulationOutcome, slo: SloConfig) -> np.ndarray:
-    """Completed requests that meet every SLO given (a one-token request has no TPOT or ITL to miss)."""
+def uniform_slos(slo: SloConfig, num_requests: int) -> RequestSlos:
+    """The same SLOs for every request (+inf where ``slo`` sets none), as ``per_request_slos`` gives them."""
+    limits = {name: np.inf if getattr(slo, name) is None else float(getattr(slo, name)) for name in SLO_FIELDS}
+    return RequestSlos(**{name: np.full(num_requests, limit) for name, limit in limits.items()})
+
+
+def good_requests(workload: Workload, outcome: SimulationOutcome, slos: RequestSlos) -> np.ndarray:
+    """Completed requests that meet each of their own SLOs (a one-token request has no TPOT or ITL to miss)."""
     req = outcome.requests
-    good = req.status == COMPLETED
     ttft = req.first_token_s - workload.arrival_s
     e2el = req.finish_s - workload.arrival_s
     many = workload.output_tokens >= 2
     with np.errstate(invalid="ignore", divide="ignore"):
         tpot = (e2el - ttft) / (workload.output_tokens - 1)
-    if slo.ttft_ms is not None:
-        good &= ttft * 1e3 <= slo.ttft_ms
-    if slo.e2el_ms is not None:
-        good &= e2el * 1e3 <= slo.e2el_ms
-    if slo.tpot_ms is not None:
-        good &= ~many | (tpot * 1e3 <= slo.tpot_ms)
-    if slo.itl_ms is not None:
-        good &= ~many | (req.max_itl_s * 1e3 <= slo.itl_ms)
-    return good
+    # An absent SLO is +inf, which every completed request's (finite) latency meets.
+    return ((req.status == COMPLETED)
+            & (ttft * 1e3 <= slos.ttft_ms)
+            & (e2el * 1e3 <= slos.e2el_ms)
+            & (~many | (tpot * 1e3 <= slos.tpot_ms))
+            & (~many | (req.max_itl_s * 1e3 <= slos.itl_ms)))
 
 
-def compute_metrics(workload: Workload, outcome: SimulationOutcome, slo: SloConfig, num_kv_blocks: int) -> dict:
+def run_duration(workload: Workload, outcome: SimulationOutcome) -> float:
+    """Seconds from the first arrival to the end of the run (0 when nothing arrived)."""
+    arrived = outcome.requests.status != NOT_ARRIVED
+    start = float(workload.arrival_s[arrived].min()) if arrived.any() else outcome.totals.end_s
+    return max(outcome.totals.end_s - start, 0.0)
+
+
+def compute_metrics(workload: Workload, outcome: SimulationOutcome, slo: SloConfig | RequestSlos,
+                    num_kv_blocks: int) -> dict:
+    """The run's metrics; ``slo`` is per request (``per_request_slos``) or one ``SloConfig`` for all."""
     req, totals = outcome.requests, outcome.totals
     completed = req.status == COMPLETED
     arrived = req.status != NOT_ARRIVED
     num_arrived = int(arrived.sum())
-    start = float(workload.arrival_s[arrived].min()) if num_arrived else totals.end_s
-    duration = max(totals.end_s - start, 0.0)
+    duration = run_duration(workload, outcome)
+    slos = uniform_slos(slo, workload.num_requests) if isinstance(slo, SloConfig) else slo
     rate = (lambda count: count / duration) if duration > 0 else (lambda count: None)
 
     ttft = (req.first_token_s - workload.arrival_s)[completed]
@@ -85,7 +100,7 @@ def compute_metrics(workload: Workload, outcome: SimulationOutcome, slo: SloConf
     out = workload.output_tokens[completed]
     many = out >= 2
     tpot = (e2el[many] - ttft[many]) / (out[many] - 1)
-    good = good_requests(workload, outcome, slo)
+    good = good_requests(workload, outcome, slos)
 
     input_tokens = int(workload.prompt_tokens[completed].sum())
     output_tokens = int(out.sum())
@@ -125,6 +140,10 @@ def compute_metrics(workload: Workload, outcome: SimulationOutcome, slo: SloConf
         "mean_requests_in_system": totals.in_system_seconds / duration if duration > 0 else None,
         "engine_steps": totals.steps,
         "duration_s": duration,
+        "clipped_requests": workload.clipped,
+        # Prefix caching's unit hit rate (envs/prefix_cache.py); null when it is off or nothing was looked up.
+        "prefix_cache_hit_rate": (totals.prefix_hit_units / totals.prefix_looked_up_units
+                                  if totals.prefix_looked_up_units else None),
     })
     return metrics
 
@@ -151,6 +170,110 @@ def _itl_summary(workload: Workload, outcome: SimulationOutcome, completed: np.n
         "p90": percentile_ms(90),
         "p99": percentile_ms(99),
     }
+
+
+# Prompt-length buckets: (upper bound, exclusive; name), in tokens, k = 1024 as in "a 4k context".
+PROMPT_BUCKETS = ((1024, "<1k"), (4096, "1k-4k"), (16384, "4k-16k"), (None, ">=16k"))
+SEGMENT_LATENCIES = ("ttft", "tpot", "e2el", "max_itl")
+# The default arrival window is the run's duration over this many, rounded up to a width from the table
+# below, so window names read like "0-60s" rather than "0-50.72s".
+DEFAULT_WINDOWS = 10
+# Window names give their edges to the microsecond (as requests.csv gives times), so no narrower window.
+MIN_WINDOW_S = 1e-6
+READABLE_WIDTHS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 15, 30, 60, 120, 300,
+                     600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400)
+
+
+def readable_window_s(duration_s: float) -> float:
+    """The smallest readable width that splits ``duration_s`` into at most ``DEFAULT_WINDOWS`` windows."""
+    target = duration_s / DEFAULT_WINDOWS
+    for width in READABLE_WIDTHS_S:
+        if width >= target:
+            return float(width)
+    return float(np.ceil(target / 86400) * 86400)   # whole days beyond the table
+
+
+def segment_metrics(workload: Workload, outcome: SimulationOutcome, slos: RequestSlos,
+                    window_s: Optional[float] = None) -> dict:
+    """The run split four ways, by tenant, priority, prompt tokens and arrival time window.
+
+    ``{dimension: {segment name: counts and latencies}}``; every arrived request is in exactly one segment of
+    each dimension, and segments with no arrivals are left out. A segment's ``request_goodput`` divides by the
+    whole run's duration, so the segments of a dimension add up to the run's goodput. ``window_s`` defaults
+    to ``readable_window_s`` of the run's duration; windows are aligned to multiples of it on the workload's
+    clock.
+    """
+    if window_s is not None and not window_s >= MIN_WINDOW_S:
+        raise ValueError(f"window_s must be at least {MIN_WINDOW_S} s, got {window_s}")
+    req = outcome.requests
+    arrived_rows = np.flatnonzero(req.status != NOT_ARRIVED)
+    duration = run_duration(workload, outcome)
+    good = good_requests(workload, outcome, slos)
+    latencies = _request_latencies_ms(workload, outcome)
+
+    def segments(codes: np.ndarray, name_of) -> dict:
+        # Sorting the arrived requests by their segment code and cutting where it changes groups them in
+        # O(n log n), however many segments (narrow windows make many); segments come in code order.
+        rows = arrived_rows[np.argsort(codes[arrived_rows], kind="stable")]
+        groups = np.split(rows, np.flatnonzero(np.diff(codes[rows])) + 1) if rows.size else []
+        return {name_of(codes[group[0]]): _segment(group, req.status, good, latencies, slos.ttft_ms, duration)
+                for group in groups}
+
+    width = window_s if window_s is not None else readable_window_s(duration)
+    # Window k covers [k * width, (k + 1) * width) on the workload's clock, as requests.csv gives arrivals.
+    window = np.floor(workload.arrival_s / width).astype(np.int64)
+    bucket = np.searchsorted([bound for bound, _ in PROMPT_BUCKETS[:-1]], workload.prompt_tokens, side="right")
+    return {
+        "tenant": segments(workload.tenant, lambda i: workload.tenant_names[i]),
+        "priority": segments(workload.priority, lambda p: str(int(p))),
+        "prompt_tokens": segments(bucket, lambda i: PROMPT_BUCKETS[i][1]),
+        "time_window": segments(window, lambda k: f"{_seconds(k * width)}-{_seconds((k + 1) * width)}s"),
+    }
+
+
+def _request_latencies_ms(workload: Workload, outcome: SimulationOutcome) -> dict[str, np.ndarray]:
+    """Each request's TTFT, TPOT, E2EL and largest inter-token gap in ms; NaN where it has none."""
+    req = outcome.requests
+    completed = req.status == COMPLETED
+    many = completed & (workload.output_tokens >= 2)
+    ttft = np.where(completed, req.first_token_s - workload.arrival_s, np.nan)
+    e2el = np.where(completed, req.finish_s - workload.arrival_s, np.nan)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        tpot = np.where(many, (e2el - ttft) / (workload.output_tokens - 1), np.nan)
+    max_itl = np.where(many, req.max_itl_s, np.nan)
+    return {"ttft": ttft * 1e3, "tpot": tpot * 1e3, "e2el": e2el * 1e3, "max_itl": max_itl * 1e3}
+
+
+def _segment(rows: np.ndarray, status: np.ndarray, good: np.ndarray, latencies: dict[str, np.ndarray],
+             ttft_slo_ms: np.ndarray, duration: float) -> dict:
+    """Counts and latency statistics of the requests at ``rows`` (arrived ones, at least one)."""
+    status = status[rows]
+    num_good = int(good[rows].sum())
+    ttft_slos = np.unique(ttft_slo_ms[rows])
+    segment: dict = {
+        "arrived": len(rows),
+        "completed": int((status == COMPLETED).sum()),
+        "rejected": int((status == REJECTED).sum()),
+        "unfinished": int((status == UNFINISHED).sum()),
+        "good": num_good,
+        "request_goodput": num_good / duration if duration > 0 else None,
+        "slo_attainment": num_good / len(rows),
+        # The TTFT SLO its requests are judged by, when they share a finite one (tenants' class SLOs may differ).
+        "ttft_slo_ms": float(ttft_slos[0]) if len(ttft_slos) == 1 and np.isfinite(ttft_slos[0]) else None,
+    }
+    for name in SEGMENT_LATENCIES:
+        values = latencies[name][rows]
+        values = values[~np.isnan(values)]
+        empty = values.size == 0
+        segment[f"mean_{name}_ms"] = None if empty else float(np.mean(values))
+        segment[f"p50_{name}_ms"] = None if empty else float(np.percentile(values, 50))
+        segment[f"p99_{name}_ms"] = None if empty else float(np.percentile(values, 99))
+    return segment
+
+
+def _seconds(value: float) -> str:
+    """A window edge to the microsecond, without float noise or exponent: 3 * 0.1 -> "0.3", 3600.0 -> "3600"."""
+    return np.format_float_positional(round(value, 6), trim="-")
 
 
 def write_requests_csv(path: Path, workload: Workload, outcome: SimulationOutcome) -> None:

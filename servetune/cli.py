@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from servetune.config_loader import load_config
@@ -41,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
                           help="override a config field, e.g. --set scheduler.max_num_seqs=32 (repeatable)")
     simulate.add_argument("--out", type=Path, help="write the metrics, timing and resolved config as JSON")
     simulate.add_argument("--requests-out", type=Path, help="write one CSV row per request")
+    simulate.add_argument("--window-s", type=float, metavar="SECONDS",
+                          help="width of the arrival time windows in run.json's segments "
+                               "(default: a readable tenth of the run)")
     simulate.set_defaults(func=run_simulate)
 
     cost_cli.register(sub)
@@ -50,16 +54,18 @@ def _parser() -> argparse.ArgumentParser:
 
 def run_simulate(args: argparse.Namespace) -> int:
     # Imported here so that `servetune --help` and the cost commands do not pay for JAX tracing setup.
-    from servetune.envs.metrics import write_requests_csv
+    from servetune.envs.metrics import MIN_WINDOW_S, write_requests_csv
     from servetune.pipeline import simulate_config
 
+    if args.window_s is not None and not args.window_s >= MIN_WINDOW_S:
+        raise UserError(f"--window-s: got {args.window_s}, expected a width of at least {MIN_WINDOW_S} s")
     config = load_config(args.config, args.overrides)
-    report = simulate_config(config)
+    report = simulate_config(config, args.window_s)
     console = Console()
     _print_report(console, args.config, report)
     if args.out:
-        document = {**report.metrics, "timing": report.timing, "workload": report.workload.description,
-                    "config": report.config.to_dict()}
+        document = {**report.metrics, "segments": report.segments, "timing": report.timing,
+                    "workload": report.workload.description, "config": report.config.to_dict()}
         args.out.write_text(json.dumps(document, indent=2) + "\n")
         console.print(f"wrote {args.out}")
     if args.requests_out:
@@ -105,17 +111,46 @@ def _print_report(console: Console, source: str, report) -> None:
     summary.add_column()
     summary.add_row("throughput", f"{rate(m['request_throughput'])} req/s, {rate(m['output_throughput'])} output tok/s, "
                                   f"{rate(m['total_token_throughput'])} total tok/s")
-    summary.add_row("goodput", f"{rate(m['request_goodput'])} req/s within {', '.join(limits) or 'no SLO'}")
+    # Requests of a tenant with a class SLO are judged by it instead (envs/slos.py), so the row names them.
+    classes = [escape(tenant.name) for tenant in (config.workload.tenants or ()) if tenant.slo is not None]
+    exceptions = f"; tenants {', '.join(classes)} within their class SLOs" if classes else ""
+    summary.add_row("goodput", f"{rate(m['request_goodput'])} req/s within {', '.join(limits) or 'no SLO'}{exceptions}")
     summary.add_row("SLO attainment", ("—" if attainment is None else f"{attainment:.1%}") + verdict)
+    clipped = f"; {m['clipped_requests']} clipped to max_model_len" if m["clipped_requests"] else ""
     summary.add_row("requests", f"{m['arrived']} arrived = {m['completed']} completed + {m['rejected']} rejected"
-                                f"{f' ({reasons})' if reasons else ''} + {m['unfinished']} unfinished")
+                                f"{f' ({reasons})' if reasons else ''} + {m['unfinished']} unfinished{clipped}")
+    worst = _worst_segment(report.segments)
+    if worst is not None:
+        dimension, name, segment = worst
+        p99_ttft, ttft_slo = segment["p99_ttft_ms"], segment["ttft_slo_ms"]
+        versus = "" if ttft_slo is None else f" vs SLO {ttft_slo:g} ms"
+        latency_text = "no request completed" if p99_ttft is None else f"p99 TTFT {p99_ttft:,.1f} ms{versus}"
+        colour = "green" if segment["slo_attainment"] >= slo.attainment_target else "red"
+        summary.add_row("worst segment", f"{dimension} {escape(name)}: [{colour}]{segment['slo_attainment']:.1%}[/] "
+                                         f"attained, {latency_text}")
     summary.add_row("engine", f"{m['preemptions']} preemptions, mean batch {_num(m['mean_batch_size'])}, "
                               f"KV occupancy {_pct(m['mean_kv_utilization'])} of {config.scheduler.num_kv_blocks:,} "
                               f"blocks, {m['engine_steps']:,} steps over {m['duration_s']:,.1f} s")
+    if m["prefix_cache_hit_rate"] is not None:
+        summary.add_row("prefix cache", f"{_pct(m['prefix_cache_hit_rate'])} of prompt blocks found cached")
     t = report.timing
     summary.add_row("wall time", f"load {t['load_s']:.2f} s, compile {t['compile_s']:.2f} s, "
                                  f"simulate {t['simulate_s']:.2f} s")
     console.print(summary)
+
+
+def _worst_segment(segments: dict) -> Optional[tuple[str, str, dict]]:
+    """(dimension, name, segment) with the lowest SLO attainment among dimensions split into more than one
+    segment (a dimension with one segment only repeats the run's totals); None when no dimension is split.
+    Ties (often every segment at 100%) go to the highest p99 TTFT, the segment nearest to missing."""
+    candidates = [(dimension, name, segment) for dimension, group in segments.items() if len(group) > 1
+                  for name, segment in group.items()]
+
+    def badness(candidate: tuple[str, str, dict]) -> tuple[float, float]:
+        p99_ttft = candidate[2]["p99_ttft_ms"]
+        return candidate[2]["slo_attainment"], -(float("inf") if p99_ttft is None else p99_ttft)
+
+    return min(candidates, key=badness) if candidates else None
 
 
 def _num(value: Optional[float]) -> str:

@@ -4,12 +4,14 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 from servetune.config import Config
 from servetune.cost_models.factory import build_cost_model, derive_num_kv_blocks
-from servetune.envs.metrics import compute_metrics
+from servetune.envs.metrics import compute_metrics, segment_metrics
 from servetune.envs.outcome import SimulationOutcome
 from servetune.envs.simulator import simulate_timed
+from servetune.envs.slos import per_request_slos
 from servetune.envs.workload import Workload, build_workload
 
 
@@ -18,7 +20,8 @@ class RunReport:
     config: Config             # fully resolved (e.g. num_kv_blocks derived from the hardware)
     workload: Workload
     outcome: SimulationOutcome
-    metrics: dict
+    metrics: dict              # compute_metrics' keys, as a search's trials carry them
+    segments: dict             # segment_metrics: the same run by tenant, priority, prompt length, time window
     timing: dict               # load_s, compile_s, simulate_s (simulate_s excludes compilation)
 
 
@@ -30,14 +33,17 @@ def resolve(config: Config) -> Config:
     return dataclasses.replace(config, scheduler=scheduler)
 
 
-def simulate_config(config: Config) -> RunReport:
+def simulate_config(config: Config, window_s: Optional[float] = None) -> RunReport:
+    """Simulate one config; ``window_s`` is the width of the report's arrival time windows (default: readable)."""
     start = time.perf_counter()
     config = resolve(config)
     workload = build_workload(config.workload)
     cost_fn, cost_params = build_cost_model(config)
     load_s = time.perf_counter() - start
+    slos = per_request_slos(config, workload)
     outcome, compile_s, simulate_s = simulate_timed(
-        workload, config.scheduler, cost_fn, cost_params, config.simulation.horizon_s)
-    metrics = compute_metrics(workload, outcome, config.slo, config.scheduler.num_kv_blocks)
+        workload, config.scheduler, cost_fn, cost_params, config.simulation.horizon_s, slos.ttft_ms)
+    metrics = compute_metrics(workload, outcome, slos, config.scheduler.num_kv_blocks)
+    segments = segment_metrics(workload, outcome, slos, window_s)
     timing = {"load_s": load_s, "compile_s": compile_s, "simulate_s": simulate_s}
-    return RunReport(config, workload, outcome, metrics, timing)
+    return RunReport(config, workload, outcome, metrics, segments, timing)
