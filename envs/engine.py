@@ -26,18 +26,20 @@ differences, which are accurate.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 
 from servetune.envs.outcome import ITL_HIST_BINS, ITL_HIST_MIN_S, ITL_LOG_BIN_WIDTH
+from servetune.envs.queue_order import DECODE_TOKEN_WEIGHT, FEATURES, PREFILL_TOKEN_WEIGHT
 from servetune.pytree import pytree_dataclass, replace
 from servetune.types import StepBatch
 
 LOOKAHEAD_STEPS = 64        # decode steps one loop iteration may apply at once
 ARRIVALS_PER_ITERATION = 16  # arrivals processed per loop iteration (more just take more iterations)
 NO_LIMIT = 2**30
+DEFICIT = FEATURES.index("deficit")
 
 # Request-table status while simulating (envs/outcome.py maps these to the reported statuses).
 PENDING, IN_SYSTEM, DONE, REJECTED = 0, 1, 2, 3
@@ -58,6 +60,19 @@ class Trace:
     arrival_lo: jnp.ndarray
     prompt: jnp.ndarray
     output: jnp.ndarray
+    # What the queue orders read (envs/queue_order.py); the fcfs queue reads none of it.
+    arrival_rel: jnp.ndarray        # float32 seconds since the first arrival (scores compare these)
+    tenant: jnp.ndarray             # int32 index of the request's tenant
+    priority: jnp.ndarray           # float32 class priority
+    predicted_output: jnp.ndarray   # float32 output length the scheduler believes
+    ttft_budget: jnp.ndarray        # float32 seconds from arrival to its TTFT deadline
+
+
+class QueueShape(NamedTuple):
+    """Static sizes of a scored (non-fcfs) queue: the pool of waiting ids, and the tenants counted."""
+
+    pool_size: int
+    num_tenants: int
 
 
 @pytree_dataclass
@@ -78,6 +93,8 @@ class EngineParams:
     horizon_hi: jnp.ndarray                # +inf when unset
     horizon_lo: jnp.ndarray
     max_iterations: jnp.ndarray            # a guard against a bug, never a semantic limit
+    order_weights: jnp.ndarray             # float32[len(FEATURES)]: the scored queue's weights
+    cached_tokens: Any                     # int32[n] prompt tokens found in the prefix cache; None: no cache
     cost: Any                              # the cost model's parameter pytree
 
 
@@ -94,6 +111,8 @@ class Slots:
     gap: jnp.ndarray        # seconds since the request's last emitted token
     max_gap: jnp.ndarray
     sum_sq_gap: jnp.ndarray
+    tenant: Any = None      # scored queues only (None under fcfs, so fcfs carries nothing extra):
+    rank: Any = None        # the score it was admitted with; the slots are kept sorted by (rank, req)
 
 
 @pytree_dataclass
@@ -132,6 +151,15 @@ class EngineState:
     iterations: jnp.ndarray
     ended: jnp.ndarray
     slots_filled: jnp.ndarray  # the slot table was full while max_num_seqs allowed more: rerun with more
+    # Scored queues: `queue` is a pool of waiting ids in [0, queue_len), kept in id (= arrival) order so that
+    # top_k, which breaks ties by position, breaks them by arrival; and per tenant a virtual
+    # token counter, the requests it has in the system and whether it had any at the last step boundary.
+    pool_filled: jnp.ndarray   # the pool overflowed: rerun with a larger one
+    pool_key: jnp.ndarray      # per pool entry: its score without the deficit term (fixed per request)
+    pool_tenant: jnp.ndarray   # per pool entry: its tenant
+    tenant_tokens: jnp.ndarray
+    tenant_in_system: jnp.ndarray
+    tenant_active: jnp.ndarray
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,11 +215,15 @@ def _set_where(array, index, value, mask):
 # ---------------------------------------------------------------------------------------------
 # Initial state
 # ---------------------------------------------------------------------------------------------
-def init_state(trace: Trace, params: EngineParams, num_slots: int) -> EngineState:
+def init_state(trace: Trace, params: EngineParams, num_slots: int, queue_shape: Optional[QueueShape]) -> EngineState:
     n = trace.prompt.shape[0]
     zeros_i = jnp.zeros(num_slots, i32)
     zeros_f = jnp.zeros(num_slots, f32)
     slots = Slots(zeros_i, zeros_i, zeros_i, zeros_i, zeros_i, zeros_i, zeros_f, zeros_f, zeros_f)
+    if queue_shape is not None:
+        slots = replace(slots, tenant=zeros_i, rank=zeros_f)
+    queue_size = n if queue_shape is None else queue_shape.pool_size
+    tenants = 1 if queue_shape is None else queue_shape.num_tenants
     rz_i, rz_f = jnp.zeros(n, i32), jnp.zeros(n, f32)
     nan = jnp.full(n, jnp.nan, f32)
     requests = Requests(rz_i, rz_i, rz_i, rz_i, nan, nan, rz_f, rz_f, rz_f, rz_f)
@@ -201,7 +233,7 @@ def init_state(trace: Trace, params: EngineParams, num_slots: int) -> EngineStat
         clock_hi=jnp.where(starts_at_horizon, params.horizon_hi, trace.arrival_hi[0]),
         clock_lo=jnp.where(starts_at_horizon, params.horizon_lo, trace.arrival_lo[0]),
         next_arrival=jnp.asarray(0, i32),
-        queue=jnp.zeros(n, i32), queue_head=jnp.asarray(0, i32), queue_len=jnp.asarray(0, i32),
+        queue=jnp.zeros(queue_size, i32), queue_head=jnp.asarray(0, i32), queue_len=jnp.asarray(0, i32),
         slots=slots, num_running=jnp.asarray(0, i32),
         free_blocks=jnp.asarray(params.num_kv_blocks, i32),
         requests=requests,
@@ -209,6 +241,10 @@ def init_state(trace: Trace, params: EngineParams, num_slots: int) -> EngineStat
         kv_block_seconds=jnp.asarray(0.0, f32), in_system_seconds=jnp.asarray(0.0, f32),
         itl_histogram=jnp.zeros(ITL_HIST_BINS, i32),
         iterations=jnp.asarray(0, i32), ended=jnp.asarray(False), slots_filled=jnp.asarray(False),
+        pool_filled=jnp.asarray(False), tenant_tokens=jnp.zeros(tenants, i32),
+        pool_key=jnp.zeros(0 if queue_shape is None else queue_size, f32),
+        pool_tenant=jnp.zeros(0 if queue_shape is None else queue_size, i32),
+        tenant_in_system=jnp.zeros(tenants, i32), tenant_active=jnp.zeros(tenants, bool),
     )
 
 
@@ -235,7 +271,7 @@ class Arrived(NamedTuple):
     tail: jnp.ndarray    # ring position of the first of them (the queue's back before they came)
 
 
-def _process_arrivals(trace: Trace, params: EngineParams, state: EngineState):
+def _process_arrivals(trace: Trace, params: EngineParams, state: EngineState, scored: bool):
     """Admit or reject up to ARRIVALS_PER_ITERATION due arrivals, in order; report if more are due."""
     n = trace.prompt.shape[0]
     index = state.next_arrival + jnp.arange(ARRIVALS_PER_ITERATION, dtype=i32)
@@ -267,6 +303,17 @@ def _process_arrivals(trace: Trace, params: EngineParams, state: EngineState):
     # A request arriving mid-step is in the system from its arrival, though processed at the boundary.
     waited = _df_sub(state.clock_hi, state.clock_lo, trace.arrival_hi[safe], trace.arrival_lo[safe])
     next_arrival = state.next_arrival + jnp.sum(due, dtype=i32)
+    if scored:
+        # Arrivals are newer than everything waiting, so appending keeps the pool in id order. One that
+        # finds the pool full marks the run for a rerun with a larger pool (and this run ends).
+        where = state.queue_len + rank
+        state = replace(state,
+            queue=_set_where(state.queue, where, index, accepted),
+            pool_key=_set_where(state.pool_key, where, _static_keys(trace, params, safe), accepted),
+            pool_tenant=_set_where(state.pool_tenant, where, trace.tenant[safe], accepted),
+            pool_filled=state.pool_filled | (state.queue_len + count > state.queue.shape[0]),
+            tenant_in_system=state.tenant_in_system.at[trace.tenant[safe]].add(accepted.astype(i32)),
+        )
     state = replace(state,
         queue_len=state.queue_len + count,
         requests=req,
@@ -280,7 +327,8 @@ def _process_arrivals(trace: Trace, params: EngineParams, state: EngineState):
 # ---------------------------------------------------------------------------------------------
 # Scheduling
 # ---------------------------------------------------------------------------------------------
-def _queue_front(trace: Trace, state: EngineState, arrived: Arrived, num_slots: int) -> tuple[Slots, jnp.ndarray]:
+def _queue_front(trace: Trace, params: EngineParams, state: EngineState, arrived: Arrived,
+                 num_slots: int) -> tuple[Slots, jnp.ndarray]:
     """The first num_slots waiting requests, as would-be slot rows, and which of them exist.
 
     This iteration's arrivals are not in the ring yet: they follow its older entries.
@@ -296,11 +344,162 @@ def _queue_front(trace: Trace, state: EngineState, arrived: Arrived, num_slots: 
     since_last = _df_sub(state.clock_hi, state.clock_lo, req.last_emit_hi[ids], req.last_emit_lo[ids])
     rows = Slots(
         req=ids, prompt=trace.prompt[ids], output=trace.output[ids],
-        computed=jnp.zeros(num_slots, i32), generated=req.generated[ids],
+        computed=_cached(params, ids), generated=req.generated[ids],
         blocks=jnp.zeros(num_slots, i32),  # set by the admitting caller
         gap=since_last, max_gap=req.max_gap[ids], sum_sq_gap=req.sum_sq_gap[ids],
     )
     return rows, valid
+
+
+def _lift_rejoining_tenants(state: EngineState) -> EngineState:
+    """VTC's rule at a step boundary where seats are open: a tenant back in the system after none of its
+    requests were at the last such boundary has its counter lifted to the lowest among tenants that stayed (when none stayed, to
+    the highest of all), so time away earns it no credit."""
+    active = state.tenant_in_system > 0
+    stayed = active & state.tenant_active
+    floor = jnp.where(jnp.any(stayed), jnp.min(jnp.where(stayed, state.tenant_tokens, NO_LIMIT)),
+                      jnp.max(state.tenant_tokens))
+    rejoined = active & ~state.tenant_active
+    return replace(state,
+        tenant_tokens=jnp.where(rejoined, jnp.maximum(state.tenant_tokens, floor), state.tenant_tokens),
+        tenant_active=active,
+    )
+
+
+def _static_keys(trace: Trace, params: EngineParams, ids):
+    """The score of requests `ids` without the deficit term, which is all of it that never changes
+    (envs/queue_order.py: time features read at the first arrival). Summed in feature order."""
+    arrival = trace.arrival_rel[ids]
+    features = (-arrival, trace.prompt[ids].astype(f32), trace.predicted_output[ids], trace.priority[ids],
+                None, arrival + trace.ttft_budget[ids])
+    w = params.order_weights
+    key = jnp.zeros(ids.shape, f32)
+    for k, feature in enumerate(features):
+        if feature is not None:
+            key = key + w[k] * feature
+    return key
+
+
+def _deficit_term(params: EngineParams, state: EngineState, tenant):
+    """w_deficit x (the tenant's counter - the lowest among tenants in the system), added last."""
+    active = state.tenant_in_system > 0
+    lowest = jnp.min(jnp.where(active, state.tenant_tokens, NO_LIMIT))
+    return params.order_weights[DEFICIT] * (state.tenant_tokens[tenant] - lowest).astype(f32)
+
+
+def _pool_front(trace: Trace, params: EngineParams, state: EngineState, num_slots: int):
+    """The num_slots best-scored waiting requests as would-be slot rows, which of them exist, and where
+    each sits in the pool (so that admitting them can remove them)."""
+    pool_size = state.queue.shape[0]
+    in_pool = jnp.arange(pool_size, dtype=i32) < state.queue_len
+    score = jnp.where(in_pool, state.pool_key + _deficit_term(params, state, state.pool_tenant), jnp.inf)
+    # top_k puts equal values in position order, and the pool is in arrival order: ties go to the earlier.
+    neg_score, at = jax.lax.top_k(-score, num_slots)
+    valid = jnp.arange(num_slots, dtype=i32) < state.queue_len
+    ids = jnp.where(valid, state.queue[at], 0)
+    req = state.requests
+    since_last = _df_sub(state.clock_hi, state.clock_lo, req.last_emit_hi[ids], req.last_emit_lo[ids])
+    rows = Slots(
+        req=ids, prompt=trace.prompt[ids], output=trace.output[ids],
+        computed=_cached(params, ids), generated=req.generated[ids],
+        blocks=jnp.zeros(num_slots, i32),
+        gap=since_last, max_gap=req.max_gap[ids], sum_sq_gap=req.sum_sq_gap[ids],
+        tenant=trace.tenant[ids], rank=-neg_score,
+    )
+    return rows, valid, at
+
+
+def _rank_among(x, mask):
+    """For each entry, how many masked entries are smaller (ties by position): the entry's place if the
+    masked ones were sorted. Quadratic in a small array (the slot count)."""
+    k = jnp.arange(x.shape[0])
+    before = (x[None, :] < x[:, None]) | ((x[None, :] == x[:, None]) & (k[None, :] < k[:, None]))
+    return jnp.sum(before & mask[None, :], axis=1, dtype=i32)
+
+
+def _count_below(sorted_values, length, queries):
+    """How many of sorted_values[:length] are < each query (a branch-free binary search)."""
+    size = sorted_values.shape[0]
+    low = jnp.zeros(queries.shape, i32)
+    high = jnp.full(queries.shape, length, i32)
+    for _ in range(max(1, size).bit_length()):
+        middle = (low + high) // 2
+        below = (middle < high) & (sorted_values[jnp.clip(middle, 0, size - 1)] < queries)
+        low = jnp.where(below, middle + 1, low)
+        high = jnp.where(below, high, middle)
+    return low
+
+
+def _pool_update(state: EngineState, needed, update) -> EngineState:
+    """Apply `update` (pool fields -> pool fields) only when `needed`: most iterations neither admit nor
+    preempt, and the pool can be long. Only the pool goes through the branch, never the request table."""
+    fields = (state.queue, state.pool_key, state.pool_tenant, state.queue_len, state.pool_filled)
+    queue, key, tenant, length, filled = jax.lax.cond(needed, update, lambda f: f, fields)
+    return replace(state, queue=queue, pool_key=key, pool_tenant=tenant, queue_len=length, pool_filled=filled)
+
+
+def _remove_from_pool(state: EngineState, at, count) -> EngineState:
+    return _pool_update(state, count > 0, lambda fields: _removed(fields, at, count))
+
+
+def _removed(fields, at, count):
+    """Drop pool entries at[:count] (the admitted), keeping the rest in order: new position j takes the
+    old entry j + (removed positions it has passed)."""
+    queue, key, tenant, queue_len, filled = fields
+    pool_size = queue.shape[0]
+    k = jnp.arange(at.shape[0], dtype=i32)
+    removed = k < count
+    ordered = jnp.full(at.shape, NO_LIMIT, i32).at[jnp.where(removed, _rank_among(at, removed), at.shape[0])].set(
+        at, mode="drop")
+    # Removed positions in order, less their rank: new j comes from old j + #(ordered[r] - r <= j).
+    shifted = ordered - k
+    j = jnp.arange(pool_size, dtype=i32)
+    source = j + _count_below(shifted, count, j + 1)
+    queue, key, tenant = (jnp.where(j < queue_len - count, field[jnp.minimum(source, pool_size - 1)], field)
+                          for field in (queue, key, tenant))
+    return queue, key, tenant, queue_len - count, filled
+
+
+def _insert_into_pool(trace, params, state: EngineState, ids, mask) -> EngineState:
+    return _pool_update(state, jnp.any(mask), lambda fields: _inserted(trace, params, fields, ids, mask))
+
+
+def _inserted(trace, params, fields, ids, mask):
+    """Put requests `ids` (where mask, in any order) into the pool at their places in id order."""
+    queue, key, tenant, queue_len, filled = fields
+    pool_size = queue.shape[0]
+    count = jnp.sum(mask, dtype=i32)
+    rank = _rank_among(jnp.where(mask, ids, NO_LIMIT), mask)   # place among the inserted
+    sorted_ids = jnp.full(ids.shape, NO_LIMIT, i32).at[jnp.where(mask, rank, ids.shape[0])].set(ids, mode="drop")
+    old = jnp.arange(pool_size, dtype=i32)
+    in_pool = old < queue_len
+    old_target = old + _count_below(sorted_ids, count, queue)   # inserted ids below it come first
+    new_target = rank + _count_below(queue, queue_len, ids)
+    drop = pool_size
+    targets = jnp.concatenate([jnp.where(in_pool, old_target, drop), jnp.where(mask, new_target, drop)])
+    pairs = zip((queue, key, tenant), (ids, _static_keys(trace, params, ids), trace.tenant[ids]))
+    queue, key, tenant = (jnp.zeros_like(old_field).at[targets].set(jnp.concatenate([old_field, new]), mode="drop")
+                          for old_field, new in pairs)
+    return queue, key, tenant, queue_len + count, filled | (queue_len + count > pool_size)
+
+
+def _sort_slots(slots: Slots, tokens, num_running):
+    """Scored queues keep the running set in (rank, req) order, so that the last slot is the worst. (The
+    running part and the just-admitted part are each in order already; this merges them.)"""
+    pos = jnp.arange(slots.req.shape[0], dtype=i32)
+    running = pos < num_running
+    rank, req = slots.rank, slots.req
+    before = (rank[None, :] < rank[:, None]) | ((rank[None, :] == rank[:, None]) & (req[None, :] < req[:, None]))
+    target = jnp.where(running, jnp.sum(before & running[None, :], axis=1, dtype=i32), pos)
+    source = jnp.zeros_like(pos).at[target].set(pos)
+    return jax.tree_util.tree_map(lambda x: x[source], slots), tokens[source]
+
+
+def _cached(params: EngineParams, ids):
+    """Where the prefill of requests `ids` starts: after their cached prefix (envs/prefix_cache.py)."""
+    if params.cached_tokens is None:
+        return jnp.zeros(ids.shape, i32)
+    return params.cached_tokens[ids]
 
 
 def _place_admitted(slots: Slots, start, count, rows: Slots) -> Slots:
@@ -350,13 +549,21 @@ def _form_static_batch(trace, params, state, front: Slots, valid, timeout, num_s
     take = _prefix_and(valid & (k < params.batch_size) & fits) & trigger
     count = jnp.sum(take, dtype=i32)
     rows = replace(rows, blocks=blocks)
-    return replace(state,
+    state = replace(state,
         slots=_place_admitted(state.slots, state.num_running, count, rows),
         num_running=state.num_running + count,
-        queue_head=(state.queue_head + count) % trace.prompt.shape[0],
-        queue_len=state.queue_len - count,
         free_blocks=state.free_blocks - jnp.sum(jnp.where(take, blocks, 0)),
     )
+    return _pop_front(trace, state, count), count
+
+
+def _pop_front(trace, state: EngineState, count) -> EngineState:
+    """The fcfs ring's first `count` leave it. (A scored pool ignores this: it removes its admitted by
+    position once per iteration, in `_remove_from_pool`.)"""
+    if state.slots.rank is not None:
+        return state
+    return replace(state, queue_head=(state.queue_head + count) % trace.prompt.shape[0],
+                   queue_len=state.queue_len - count)
 
 
 def _running_pass(params, state, num_slots):
@@ -398,8 +605,9 @@ def _running_pass(params, state, num_slots):
     return slots, tokens, preempted, end, free
 
 
-def _requeue_preempted(trace, state, slots, preempted, num_slots):
-    """Victims go to the front of the queue in admission order, keeping what they emitted.
+def _requeue_preempted(trace, params, state, slots, preempted, num_slots):
+    """Victims go to the front of the fcfs queue in admission order (into a scored pool at their places),
+    keeping what they emitted.
 
     `preempted` must already be False everywhere in an iteration that does not step the engine: the
     queue and request table are only ever written through masked scatters, never selected whole. The
@@ -407,7 +615,10 @@ def _requeue_preempted(trace, state, slots, preempted, num_slots):
     """
     n = trace.prompt.shape[0]
     count = jnp.sum(preempted, dtype=i32)
-    head = (state.queue_head - count) % n
+    if slots.rank is None:
+        state = replace(state, queue_head=(state.queue_head - count) % n, queue_len=state.queue_len + count)
+    else:
+        state = _insert_into_pool(trace, params, state, slots.req, preempted)
     last_hi, last_lo = _df_add(state.clock_hi, state.clock_lo, -slots.gap)
     req = state.requests
     req = replace(req,
@@ -418,7 +629,7 @@ def _requeue_preempted(trace, state, slots, preempted, num_slots):
         last_emit_hi=_set_where(req.last_emit_hi, slots.req, last_hi, preempted),
         last_emit_lo=_set_where(req.last_emit_lo, slots.req, last_lo, preempted),
     )
-    return replace(state, queue_head=head, queue_len=state.queue_len + count, requests=req)
+    return replace(state, requests=req)
 
 
 def _write_queue(trace, queue, arrived: Arrived, victims, preempted, victims_head, end, num_slots):
@@ -446,8 +657,8 @@ def _waiting_pass(trace, params, state, front: Slots, valid, slots, budget_left,
     rows = front
     k = jnp.arange(num_slots, dtype=i32)
     need = rows.prompt + rows.generated
-    tokens, fits_budget = _take_from_budget(jnp.where(valid, need, 0), budget_left, params)
-    blocks = _ceil_div(need, params.block_size)
+    tokens, fits_budget = _take_from_budget(jnp.where(valid, need - rows.computed, 0), budget_left, params)
+    blocks = _ceil_div(need, params.block_size)   # the whole prompt, cached prefix included
     fits_blocks = free - jnp.cumsum(jnp.where(valid, blocks, 0)) >= params.watermark_blocks
     seats = (state.num_running + k < params.max_num_seqs) & (state.num_running + k < num_slots)
     admit = _prefix_and(valid & seats & fits_budget & fits_blocks) & allowed
@@ -457,10 +668,7 @@ def _waiting_pass(trace, params, state, front: Slots, valid, slots, budget_left,
     # Candidate k now sits in slot num_running + k; slot p takes candidate p - num_running's tokens.
     admitted_tokens = jnp.where((k >= state.num_running) & (k < state.num_running + count),
                                 tokens[jnp.clip(k - state.num_running, 0, num_slots - 1)], 0)
-    state = replace(state,
-        queue_head=(state.queue_head + count) % trace.prompt.shape[0],
-        queue_len=state.queue_len - count,
-    )
+    state = _pop_front(trace, state, count)
     return state, slots, admitted_tokens, count, free - jnp.sum(jnp.where(admit, blocks, 0))
 
 
@@ -490,6 +698,12 @@ def _gap_stats(samples, weights):
     return jnp.max(jnp.where(counted, samples, 0.0)), jnp.sum(jnp.where(counted, samples * samples, 0.0))
 
 
+def _seats_closed(params, num_running):
+    """Nobody can be admitted: every seat or the whole budget is taken, or a static batch runs."""
+    return (params.static_batching | (num_running >= params.max_num_seqs)
+            | (params.max_num_batched_tokens <= num_running))
+
+
 def _advance(trace, params, state, slots, tokens, cost_fn, num_slots):
     """Run the scheduled step, then the all-decode steps that follow it before any event.
 
@@ -516,8 +730,7 @@ def _advance(trace, params, state, slots, tokens, cost_fn, num_slots):
     # Whatever arrives, nobody is admitted while every seat or the whole budget is taken (or a static batch
     # runs); then arrivals need not end the run either: while nothing leaves the queue, processing them
     # at the run's end decides the same rejections.
-    seats_closed = (params.static_batching | (num_running >= params.max_num_seqs)
-                    | (params.max_num_batched_tokens <= num_running))
+    seats_closed = _seats_closed(params, num_running)
     no_admission = seats_closed | (state.queue_len == 0)
     continues = (jnp.all(~running | decoding) & ~jnp.any(finished0) & no_admission
                  & (num_running <= params.max_num_batched_tokens))
@@ -599,6 +812,15 @@ def _advance(trace, params, state, slots, tokens, cost_fn, num_slots):
         sum_sq_gap=_set_where(req.sum_sq_gap, slots.req, sum_sq, finished),
     )
 
+    if slots.rank is not None:
+        is_decode0 = scheduled & (tokens == 1) & had_token
+        service = (jnp.where(is_decode0, DECODE_TOKEN_WEIGHT, PREFILL_TOKEN_WEIGHT * tokens)
+                   + DECODE_TOKEN_WEIGHT * grow)
+        state = replace(state,
+            tenant_tokens=state.tenant_tokens.at[slots.tenant].add(jnp.where(running, service, 0)),
+            tenant_in_system=state.tenant_in_system.at[slots.tenant].add(-finished.astype(i32)),
+        )
+
     used_blocks = params.num_kv_blocks - state.free_blocks
     kv_seconds = jnp.sum(jnp.where(run, (used_blocks + new_blocks).astype(f32) * durations, 0.0))
     in_system = (state.queue_len + num_running).astype(f32) * total
@@ -649,7 +871,7 @@ def _idle(trace, params, state, timeout):
 
 # Fields of EngineState sized by the workload or the histogram. They are written only through masked
 # scatters; every other field is small and chosen between the step and idle outcomes with a select.
-_LARGE_FIELDS = ("queue", "requests", "itl_histogram")
+_LARGE_FIELDS = ("queue", "pool_key", "pool_tenant", "requests", "itl_histogram")
 
 
 def _choose(pred, if_true: EngineState, if_false: EngineState) -> EngineState:
@@ -660,28 +882,42 @@ def _choose(pred, if_true: EngineState, if_false: EngineState) -> EngineState:
     return replace(if_true, **small)
 
 
-def _iteration(trace, params, state, cost_fn, num_slots):
-    state, more_due, arrived = _process_arrivals(trace, params, state)
+def _iteration(trace, params, state, cost_fn, num_slots, scored: bool):
+    state, more_due, arrived = _process_arrivals(trace, params, state, scored)
     past_horizon = _df_le(params.horizon_hi, params.horizon_lo, state.clock_hi, state.clock_lo)
     live = _live(state, params)
     active = ~more_due & ~past_horizon & live
 
-    front, front_valid = _queue_front(trace, state, arrived, num_slots)
+    if scored:
+        # Only where a request could be admitted: such boundaries always end a macro-step, so the lift
+        # sees the same counters as it would one engine step at a time.
+        lifts = active & ~_seats_closed(params, state.num_running)
+        lifted = _lift_rejoining_tenants(state)
+        state = replace(state,
+            tenant_tokens=jnp.where(lifts, lifted.tenant_tokens, state.tenant_tokens),
+            tenant_active=jnp.where(lifts, lifted.tenant_active, state.tenant_active))
+        front, front_valid, front_at = _pool_front(trace, params, state, num_slots)
+    else:
+        front, front_valid = _queue_front(trace, params, state, arrived, num_slots)
     timeout = _static_timeout(trace, params, front)
-    engine = _form_static_batch(trace, params, state, front, front_valid, timeout, num_slots)
+    engine, batched = _form_static_batch(trace, params, state, front, front_valid, timeout, num_slots)
     slots, tokens, preempted, end, free = _running_pass(params, engine, num_slots)
     preempted = preempted & active
     tokens = jnp.where(active, tokens, 0)
-    engine = _requeue_preempted(trace, engine, slots, preempted, num_slots)
+    engine = _requeue_preempted(trace, params, engine, slots, preempted, num_slots)
     engine = replace(engine, num_running=end)
     budget_left = params.max_num_batched_tokens - jnp.sum(tokens)
     allowed = active & ~params.static_batching & ~jnp.any(preempted)
     engine, slots, admitted_tokens, admitted, free = _waiting_pass(
         trace, params, engine, front, front_valid, slots, budget_left, free, allowed, num_slots)
-    queue = _write_queue(trace, state.queue, arrived, slots.req, preempted, engine.queue_head - admitted, end,
-                         num_slots)
-    engine = replace(engine, queue=queue, slots=slots, num_running=end + admitted, free_blocks=free)
     tokens = tokens + admitted_tokens
+    if scored:
+        engine = _remove_from_pool(engine, front_at, jnp.where(active, batched + admitted, 0))
+        slots, tokens = _sort_slots(slots, tokens, end + admitted)
+    else:
+        engine = replace(engine, queue=_write_queue(trace, state.queue, arrived, slots.req, preempted,
+                                                    engine.queue_head - admitted, end, num_slots))
+    engine = replace(engine, slots=slots, num_running=end + admitted, free_blocks=free)
 
     busy = jnp.any(tokens > 0)
     stepped = _advance(trace, params, engine, slots, tokens, cost_fn, num_slots)
@@ -689,10 +925,12 @@ def _iteration(trace, params, state, cost_fn, num_slots):
     new = _choose(active, _choose(busy, stepped, idled), state)
     # The slot count is a capacity bound, not a knob: if it ever binds, the caller reruns with more.
     table_full = (end + admitted >= num_slots) & (num_slots < params.max_num_seqs) & ~params.static_batching
+    slots_filled = state.slots_filled | (active & table_full)
     return replace(new,
-        ended=new.ended | (~more_due & past_horizon),
+        # A run that outgrew its tables is rerun with larger ones, so it may stop here.
+        ended=new.ended | (~more_due & past_horizon) | slots_filled | new.pool_filled,
         iterations=state.iterations + live.astype(i32),
-        slots_filled=state.slots_filled | (active & table_full),
+        slots_filled=slots_filled,
     )
 
 
@@ -713,38 +951,60 @@ def _live(state: EngineState, params: EngineParams):
     return ~state.ended & (state.iterations < params.max_iterations)
 
 
-def run(trace: Trace, params: EngineParams, cost_fn: Callable, num_slots: int) -> EngineState:
-    """Simulate the whole workload; pure, so it can be jitted."""
-    state = init_state(trace, params, num_slots)
+def run(trace: Trace, params: EngineParams, cost_fn: Callable, num_slots: int,
+        queue_shape: Optional[QueueShape] = None) -> EngineState:
+    """Simulate the whole workload; pure, so it can be jitted. ``queue_shape`` None is the fcfs queue."""
+    state = init_state(trace, params, num_slots, queue_shape)
     state = jax.lax.while_loop(
         lambda s: _live(s, params),
-        lambda s: _iteration(trace, params, s, cost_fn, num_slots),
+        lambda s: _iteration(trace, params, s, cost_fn, num_slots, queue_shape is not None),
         state,
     )
     return _flush_running(state)
 
 
-def run_batched(trace: Trace, params: EngineParams, cost_fn: Callable, num_slots: int) -> EngineState:
+def run_from(trace: Trace, params: EngineParams, state: EngineState, cost_fn: Callable, num_slots: int,
+             queue_shape: Optional[QueueShape] = None) -> EngineState:
+    """Continue a run from `state` under (possibly new) `params` until it ends again: at `params`' horizon
+    (every step that starts before it runs), or when nothing is left to come. Controllers step a run this
+    way, an interval at a time, changing knobs in between; the state stays resumable (nothing is flushed).
+    """
+    state = replace(state, ended=jnp.asarray(False))
+    return jax.lax.while_loop(
+        lambda s: _live(s, params),
+        lambda s: _iteration(trace, params, s, cost_fn, num_slots, queue_shape is not None),
+        state,
+    )
+
+
+def flush_running(state: EngineState) -> EngineState:
+    """The request table as if the run stopped now: running requests keep what they emitted."""
+    return _flush_running(state)
+
+
+def run_batched(trace: Trace, params: EngineParams, cost_fn: Callable, num_slots: int,
+                queue_shape: Optional[QueueShape] = None) -> EngineState:
     """Many configs (params with a leading axis) over one workload.
 
     The loop runs while any config is live and only its body is vmapped. (vmapping the whole
     while_loop would make JAX select the entire carry -- request table included -- per config on every
     iteration.) An ended config's iteration writes nothing: `_iteration` gates every update on it.
     """
-    state = jax.vmap(lambda p: init_state(trace, p, num_slots))(params)
+    state = jax.vmap(lambda p: init_state(trace, p, num_slots, queue_shape))(params)
+    scored = queue_shape is not None
     state = jax.lax.while_loop(
         lambda s: jnp.any(jax.vmap(_live)(s, params)),
-        lambda s: jax.vmap(lambda p, one: _iteration(trace, p, one, cost_fn, num_slots))(params, s),
+        lambda s: jax.vmap(lambda p, one: _iteration(trace, p, one, cost_fn, num_slots, scored))(params, s),
         state,
     )
     return jax.vmap(_flush_running)(state)
 
 
-@partial(jax.jit, static_argnames=("cost_fn", "num_slots"))
-def run_jit(trace, params, cost_fn, num_slots):
-    return run(trace, params, cost_fn, num_slots)
+@partial(jax.jit, static_argnames=("cost_fn", "num_slots", "queue_shape"))
+def run_jit(trace, params, cost_fn, num_slots, queue_shape=None):
+    return run(trace, params, cost_fn, num_slots, queue_shape)
 
 
-@partial(jax.jit, static_argnames=("cost_fn", "num_slots"))
-def run_many(trace, params, cost_fn, num_slots):
-    return run_batched(trace, params, cost_fn, num_slots)
+@partial(jax.jit, static_argnames=("cost_fn", "num_slots", "queue_shape"))
+def run_many(trace, params, cost_fn, num_slots, queue_shape=None):
+    return run_batched(trace, params, cost_fn, num_slots, queue_shape)

@@ -65,6 +65,8 @@ class EngineTotals:
     in_system_seconds: float      # integral of requests in the system (waiting + running) over time
     itl_histogram: np.ndarray     # int64[ITL_HIST_BINS]: every inter-token gap emitted
     truncated: bool = False       # the iteration guard stopped the run (a bug if it ever happens)
+    prefix_hit_units: int = 0     # prefix caching: units found in the cache (envs/prefix_cache.py) ...
+    prefix_looked_up_units: int = 0   # ... of the units looked up
 
 
 @dataclass(frozen=True)

@@ -31,10 +31,16 @@ from servetune.envs.outcome import (
     SimulationOutcome,
     itl_bin_index,
 )
+from servetune.envs.prefix_cache import capacity_units, prefix_hits
+from servetune.envs.queue_order import (
+    DECODE_TOKEN_WEIGHT, FEATURES, PREFILL_TOKEN_WEIGHT, order_weights, predicted_output_tokens, relative_arrivals_s,
+    ttft_budgets_s,
+)
 from servetune.envs.workload import Workload
 from servetune.types import StepBatch
 
 CostFn = Callable[[object, StepBatch], float]
+DEFICIT = FEATURES.index("deficit")
 
 
 def simulate_reference(
@@ -43,9 +49,13 @@ def simulate_reference(
     cost_fn: CostFn,
     cost_params,
     horizon_s: Optional[float] = None,
+    ttft_slo_ms: Optional[np.ndarray] = None,
 ) -> SimulationOutcome:
-    """Serve ``workload`` under ``scheduler``, costing each step with ``cost_fn(cost_params, batch)``."""
-    outcome, _ = simulate_reference_detailed(workload, scheduler, cost_fn, cost_params, horizon_s)
+    """Serve ``workload`` under ``scheduler``, costing each step with ``cost_fn(cost_params, batch)``.
+
+    ``ttft_slo_ms`` gives each request's TTFT SLO (+inf for none), which the edf order turns into deadlines.
+    """
+    outcome, _ = simulate_reference_detailed(workload, scheduler, cost_fn, cost_params, horizon_s, ttft_slo_ms)
     return outcome
 
 
@@ -55,12 +65,13 @@ def simulate_reference_detailed(
     cost_fn: CostFn,
     cost_params,
     horizon_s: Optional[float] = None,
+    ttft_slo_ms: Optional[np.ndarray] = None,
 ) -> tuple[SimulationOutcome, np.ndarray]:
     """Like ``simulate_reference``, plus every inter-token gap in emission order (float64 seconds).
 
     The outcome only keeps the gaps as a histogram; tests use the exact list to check pooled ITL metrics.
     """
-    engine = _Engine(workload, scheduler, cost_fn, cost_params, horizon_s)
+    engine = _Engine(workload, scheduler, cost_fn, cost_params, horizon_s, ttft_slo_ms)
     engine.run()
     return engine.outcome(), np.asarray(engine.gaps, dtype=np.float64)
 
@@ -70,6 +81,14 @@ class _Request:
     arrival_s: float
     prompt: int                    # P
     output: int                    # O
+    index: int = 0                 # arrival order, the tie-break of every queue order
+    tenant: int = 0
+    priority: int = 0
+    predicted_output: int = 0      # what the sjf order believes O is
+    arrival_rel_s: float = 0.0     # arrival since the first (float32, as the scores read it)
+    ttft_budget_s: float = 0.0     # arrival to TTFT deadline (edf; float32)
+    cached_tokens: int = 0         # prompt tokens found in the prefix cache: prefill starts after them
+    rank: float = 0.0              # scored queues: the score it was admitted with
     computed: int = 0              # c: tokens whose KV is computed
     generated: int = 0             # g: output tokens emitted so far
     blocks: int = 0                # h: KV blocks held
@@ -133,15 +152,34 @@ def _step_batch(items: list[_Scheduled]) -> StepBatch:
 class _Engine:
     """Engine state between steps, and the rules that move it from one step boundary to the next."""
 
-    def __init__(self, workload: Workload, config: SchedulerConfig, cost_fn: CostFn, cost_params, horizon_s):
+    def __init__(self, workload: Workload, config: SchedulerConfig, cost_fn: CostFn, cost_params, horizon_s,
+                 ttft_slo_ms):
         self.config = config
         self.cost_fn = cost_fn
         self.cost_params = cost_params
         self.horizon_s = math.inf if horizon_s is None else float(horizon_s)
+        if ttft_slo_ms is None:
+            ttft_slo_ms = np.full(workload.num_requests, np.inf)
+        predicted = predicted_output_tokens(workload, config.length_prediction_noise)
+        self.hits = None
+        if config.enable_prefix_caching:
+            self.hits = prefix_hits(workload, capacity_units(workload, config.num_kv_blocks, config.block_size))
+        columns = zip(workload.arrival_s, workload.prompt_tokens, workload.output_tokens, workload.tenant,
+                      workload.priority, predicted, relative_arrivals_s(workload), ttft_budgets_s(ttft_slo_ms))
         self.requests = [
-            _Request(float(a), int(p), int(o))
-            for a, p, o in zip(workload.arrival_s, workload.prompt_tokens, workload.output_tokens)
+            _Request(float(a), int(p), int(o), i, int(t), int(q), int(po), float(rel), float(b),
+                     0 if self.hits is None else int(self.hits.cached_tokens[i]))
+            for i, (a, p, o, t, q, po, rel, b) in enumerate(columns)
         ]
+        # Scored queue orders (envs/queue_order.py): the weights, and per tenant VTC's virtual token
+        # counter, its requests in the system, and whether it had any at the last step boundary.
+        self.scored = config.queue_order != "fcfs"
+        self.weights = [float(w) for w in order_weights(config)] if self.scored else []
+        num_tenants = len(workload.tenant_names)
+        self.tenant_tokens = [0] * num_tenants
+        self.tenant_in_system = [0] * num_tenants
+        self.tenant_active = [False] * num_tenants
+        self.front: list[_Request] = []   # scored: the waiting requests in score order at this boundary
         self.watermark_blocks = math.floor(config.watermark * config.num_kv_blocks)  # W
         self.free_blocks = config.num_kv_blocks
         self.waiting: deque[_Request] = deque()
@@ -168,6 +206,8 @@ class _Engine:
             self.process_arrivals()
             if self.clock >= self.horizon_s:
                 return
+            if self.scored:
+                self.rank_waiting()
             if self.config.policy == "static":
                 self.form_static_batch()
             scheduled = self.schedule()
@@ -191,6 +231,7 @@ class _Engine:
                 continue
             request.status = UNFINISHED
             self.waiting.append(request)
+            self.tenant_in_system[request.tenant] += 1
             # It has been in the system since it arrived, possibly during the step that just ended.
             self.in_system_seconds += self.clock - request.arrival_s
 
@@ -206,6 +247,57 @@ class _Engine:
             return REJECT_QUEUE_FULL
         return REJECT_NONE
 
+    # -- 1b. scored queue orders: rank the waiting requests at the step boundary ----------------------
+
+    def rank_waiting(self) -> None:
+        config = self.config
+        seats_open = (config.policy == "continuous" and len(self.running) < config.max_num_seqs
+                      and len(self.running) < config.max_num_batched_tokens)
+        if seats_open:
+            self.lift_rejoining_tenants()
+        for request in self.waiting:
+            request.rank = self.score(request)
+        self.front = sorted(self.waiting, key=lambda r: (r.rank, r.index))
+
+    def lift_rejoining_tenants(self) -> None:
+        """VTC: a tenant back after having no request in the system at the last boundary with open seats
+        starts from the lowest counter among the tenants that stayed (the highest of all when none stayed)."""
+        active = [count > 0 for count in self.tenant_in_system]
+        stayed = [t for t, (now, before) in enumerate(zip(active, self.tenant_active)) if now and before]
+        floor = min(self.tenant_tokens[t] for t in stayed) if stayed else max(self.tenant_tokens)
+        for t, (now, before) in enumerate(zip(active, self.tenant_active)):
+            if now and not before:
+                self.tenant_tokens[t] = max(self.tenant_tokens[t], floor)
+        self.tenant_active = active
+
+    def score(self, request: _Request) -> float:
+        """Waiting time and slack are read at the first arrival: see envs/queue_order.py."""
+        in_system = [tokens for tokens, count in zip(self.tenant_tokens, self.tenant_in_system) if count > 0]
+        features = (
+            -request.arrival_rel_s,
+            request.prompt,
+            request.predicted_output,
+            request.priority,
+            None,   # the deficit, added last: the rest is fixed per request
+            float(np.float32(request.arrival_rel_s + request.ttft_budget_s)),
+        )
+        # float32, summed in feature order, as the engine computes it: near-ties then break the same way.
+        key = np.float32(0.0)
+        for weight, feature in zip(self.weights, features):
+            if feature is not None:
+                key = np.float32(key + np.float32(weight) * np.float32(feature))
+        deficit = self.tenant_tokens[request.tenant] - min(in_system)
+        return float(np.float32(key + np.float32(self.weights[DEFICIT]) * np.float32(deficit)))
+
+    def queue_front(self) -> list[_Request]:
+        """The waiting requests in the order they are admitted."""
+        return list(self.front) if self.scored else list(self.waiting)
+
+    def admit(self, request: _Request) -> None:
+        self.waiting.remove(request)
+        self.running.append(request)
+        request.computed = request.cached_tokens
+
     # -- 2. static batch formation -------------------------------------------------------------------
 
     def form_static_batch(self) -> None:
@@ -213,14 +305,14 @@ class _Engine:
             return
         if len(self.waiting) < self.config.batch_size and self.clock < self.static_timeout():
             return
-        while self.waiting and len(self.running) < self.config.batch_size:
-            request = self.waiting[0]
+        for request in self.queue_front():
+            if len(self.running) >= self.config.batch_size:
+                return
             needed = _blocks_for(request.length, self.config.block_size)
             if self.free_blocks - needed < self.watermark_blocks:
                 return
-            self.waiting.popleft()
             self.take_blocks(request, needed)
-            self.running.append(request)
+            self.admit(request)
 
     def static_timeout(self) -> float:
         """When the front of the queue has waited ``max_wait_s``.
@@ -228,7 +320,7 @@ class _Engine:
         Formation and the idle jump both compare the clock with this same sum, so a jump to it always
         forms a batch (``t - a >= max_wait_s`` could miss by a rounding error).
         """
-        return self.waiting[0].arrival_s + self.config.max_wait_s
+        return self.queue_front()[0].arrival_s + self.config.max_wait_s
 
     # -- 3 and 4. scheduling: running pass, then waiting pass ----------------------------------------
 
@@ -239,6 +331,8 @@ class _Engine:
         # queue, needs more blocks than are free, so head-of-line blocking would stop the pass anyway.)
         if self.config.policy == "continuous" and not preempted:
             self.waiting_pass(scheduled, budget)
+        if self.scored:
+            self.running.sort(key=lambda r: (r.rank, r.index))   # the last is the worst: the next victim
         return scheduled
 
     def chunk(self, tokens_needed: int, budget: int) -> Optional[int]:
@@ -274,17 +368,17 @@ class _Engine:
 
     def waiting_pass(self, scheduled: list[_Scheduled], budget: int) -> None:
         config = self.config
-        while self.waiting and len(self.running) < config.max_num_seqs and budget > 0:
-            request = self.waiting[0]
-            tokens = self.chunk(request.length, budget)  # c is 0 while waiting
+        for request in self.queue_front():
+            if len(self.running) >= config.max_num_seqs or budget <= 0:
+                return
+            tokens = self.chunk(request.length - request.cached_tokens, budget)  # starts after the cached prefix
             if tokens is None:
                 return  # head-of-line blocking, as in vLLM
             needed = _blocks_for(request.length, config.block_size)  # the whole prompt is reserved now
             if self.free_blocks - needed < self.watermark_blocks:
                 return
-            self.waiting.popleft()
             self.take_blocks(request, needed)
-            self.running.append(request)
+            self.admit(request)
             scheduled.append(self.scheduled(request, tokens))
             budget -= tokens
 
@@ -306,6 +400,7 @@ class _Engine:
         victim.computed = 0
         victim.preemptions += 1
         # Prepending each victim in turn leaves several victims of one step in their admission order.
+        # (A scored queue ranks it with the others at the next boundary.)
         self.waiting.appendleft(victim)
 
     # -- 5. idle -------------------------------------------------------------------------------------
@@ -337,6 +432,8 @@ class _Engine:
         end = self.clock + duration
         for item in scheduled:
             request = item.request
+            weight = DECODE_TOKEN_WEIGHT if item.is_decode else PREFILL_TOKEN_WEIGHT * item.tokens
+            self.tenant_tokens[request.tenant] += weight
             request.computed += item.tokens
             if request.computed == request.length:
                 self.emit_token(request, end)
@@ -362,6 +459,7 @@ class _Engine:
             request.finish_s = at
             self.release_blocks(request)
             self.running.remove(request)
+            self.tenant_in_system[request.tenant] -= 1
 
     # -- results -------------------------------------------------------------------------------------
 
@@ -385,5 +483,7 @@ class _Engine:
             kv_block_seconds=self.kv_block_seconds,
             in_system_seconds=self.in_system_seconds,
             itl_histogram=histogram.astype(np.int64),
+            prefix_hit_units=0 if self.hits is None else self.hits.hit_units,
+            prefix_looked_up_units=0 if self.hits is None else self.hits.looked_up_units,
         )
         return SimulationOutcome(requests, totals)

@@ -6,6 +6,7 @@ workload in one vmapped, jitted call (what search uses to evaluate trials in bat
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from typing import Any, Callable, Optional, Sequence
@@ -19,18 +20,33 @@ from servetune.envs import engine
 from servetune.envs.outcome import (
     COMPLETED, NOT_ARRIVED, REJECTED, UNFINISHED, EngineTotals, RequestOutcomes, SimulationOutcome,
 )
+from servetune.envs.queue_order import (
+    FEATURES, order_weights, predicted_output_tokens, relative_arrivals_s, ttft_budgets_s,
+)
+from servetune.envs.prefix_cache import PrefixHits, capacity_units, prefix_hits
 from servetune.envs.workload import Workload
 
 INT32_MAX = 2**31 - 1
 
 
-def device_trace(workload: Workload) -> engine.Trace:
-    """The workload as device arrays; arrival times split into float32 hi + lo parts."""
+def device_trace(workload: Workload, length_prediction_noise: float = 0.0,
+                 ttft_slo_ms: Optional[np.ndarray] = None) -> engine.Trace:
+    """The workload as device arrays; arrival times split into float32 hi + lo parts.
+
+    ``ttft_slo_ms`` (per request, +inf for none; envs/slos.py) sets the deadlines the edf order reads.
+    """
     hi, lo = _split_double(workload.arrival_s)
+    if ttft_slo_ms is None:
+        ttft_slo_ms = np.full(workload.num_requests, np.inf)
     return engine.Trace(
         arrival_hi=jnp.asarray(hi), arrival_lo=jnp.asarray(lo),
         prompt=jnp.asarray(workload.prompt_tokens, jnp.int32),
         output=jnp.asarray(workload.output_tokens, jnp.int32),
+        arrival_rel=jnp.asarray(relative_arrivals_s(workload)),
+        tenant=jnp.asarray(workload.tenant, jnp.int32),
+        priority=jnp.asarray(workload.priority, jnp.float32),
+        predicted_output=jnp.asarray(predicted_output_tokens(workload, length_prediction_noise), jnp.float32),
+        ttft_budget=jnp.asarray(ttft_budgets_s(ttft_slo_ms), jnp.float32),
     )
 
 
@@ -62,6 +78,59 @@ def _slot_schedule(schedulers: Sequence[SchedulerConfig]) -> list[int]:
     return sizes
 
 
+# A scored queue keeps its waiting requests in a pool that is sorted every step; it starts this small
+# and grows (by rerunning, like the slot table) only when a run's queue outgrows it.
+INITIAL_POOL = 256
+POOL_GROWTH = 4
+
+
+def prefix_cache_hits(workload: Workload, scheduler: SchedulerConfig) -> Optional[PrefixHits]:
+    """The prefix cache's hits under this config's KV capacity; None when caching is off."""
+    if not scheduler.enable_prefix_caching:
+        return None
+    return prefix_hits(workload, capacity_units(workload, scheduler.num_kv_blocks, scheduler.block_size))
+
+
+def _with_hits(outcome: SimulationOutcome, hits: Optional[PrefixHits]) -> SimulationOutcome:
+    if hits is None:
+        return outcome
+    totals = dataclasses.replace(outcome.totals, prefix_hit_units=hits.hit_units,
+                                 prefix_looked_up_units=hits.looked_up_units)
+    return dataclasses.replace(outcome, totals=totals)
+
+
+def _params(workload, scheduler, cost_params, horizon_s, hits: Optional[PrefixHits]) -> engine.EngineParams:
+    return engine_params(scheduler, cost_params, horizon_s, iteration_guard(workload),
+                         None if hits is None else hits.cached_tokens)
+
+
+def _is_scored(scheduler: SchedulerConfig) -> bool:
+    return scheduler.queue_order != "fcfs"
+
+
+def _queue_shape(workload: Workload, scored: bool, num_slots: int, pool_size: int):
+    if not scored:
+        return None
+    # No queue holds more than the workload, and the front takes num_slots entries from the pool.
+    pool_size = max(min(pool_size, workload.num_requests), num_slots)
+    return engine.QueueShape(pool_size=pool_size, num_tenants=len(workload.tenant_names))
+
+
+def _grown(sizes: tuple[int, int], states: list, schedulers, workload: Workload) -> Optional[tuple[int, int]]:
+    """The (slots, pool) sizes to rerun with, or None when no run outgrew its tables."""
+    num_slots, pool_size = sizes
+    slots_full = any(bool(s.slots_filled) for s in states)
+    pool_full = any(bool(s.pool_filled) for s in states)
+    if not (slots_full or pool_full):
+        return None
+    schedule = _slot_schedule(schedulers)
+    if slots_full:
+        num_slots = next(size for size in schedule if size > num_slots)
+    if pool_full:
+        pool_size = min(max(workload.num_requests, 1), pool_size * POOL_GROWTH)
+    return num_slots, pool_size
+
+
 def iteration_guard(workload: Workload) -> int:
     """A bound no correct run reaches (each loop iteration makes progress); it only stops a bug."""
     tokens = int(workload.prompt_tokens.sum() + workload.output_tokens.sum())
@@ -69,7 +138,8 @@ def iteration_guard(workload: Workload) -> int:
 
 
 def engine_params(scheduler: SchedulerConfig, cost_params: Any, horizon_s: Optional[float],
-                  max_iterations: int) -> engine.EngineParams:
+                  max_iterations: int, cached_tokens: Optional[np.ndarray] = None) -> engine.EngineParams:
+    """The engine's knobs; ``cached_tokens`` (per request, from envs/prefix_cache.py) when prefix caching."""
     if scheduler.num_kv_blocks is None:
         raise ValueError("scheduler.num_kv_blocks must be resolved before simulating")
     if horizon_s is None:
@@ -95,6 +165,9 @@ def engine_params(scheduler: SchedulerConfig, cost_params: Any, horizon_s: Optio
         max_wait_s=jnp.asarray(scheduler.max_wait_s, jnp.float32),
         horizon_hi=jnp.asarray(horizon_hi[0]), horizon_lo=jnp.asarray(horizon_lo[0]),
         max_iterations=i32(max_iterations),
+        order_weights=jnp.asarray(order_weights(scheduler) if _is_scored(scheduler)
+                                  else np.zeros(len(FEATURES), np.float32)),
+        cached_tokens=None if cached_tokens is None else jnp.asarray(cached_tokens, jnp.int32),
         cost=jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float32), cost_params),
     )
 
@@ -139,63 +212,85 @@ def _stack(params: Sequence[engine.EngineParams]) -> engine.EngineParams:
     return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *params)
 
 
-def _run_growing(trace, params: list, cost_fn, schedulers) -> list:
-    """Run every config, rerunning those whose slot table filled up with a larger one."""
+def _run_growing(workload: Workload, trace, params: list, cost_fn, schedulers, scored: bool) -> list:
+    """Run every config, rerunning those whose slot table or queue pool filled up with larger ones."""
     states: list = [None] * len(params)
     pending = list(range(len(params)))
-    for num_slots in _slot_schedule(schedulers):
-        batch = jax.device_get(engine.run_many(trace, _stack([params[i] for i in pending]), cost_fn, num_slots))
-        rerun = []
+    sizes: Optional[tuple[int, int]] = (_slot_schedule(schedulers)[0], INITIAL_POOL)
+    while sizes is not None:
+        shape = _queue_shape(workload, scored, *sizes)
+        batch = jax.device_get(engine.run_many(trace, _stack([params[i] for i in pending]), cost_fn, sizes[0], shape))
         for row, i in enumerate(pending):
             states[i] = jax.tree_util.tree_map(lambda x: x[row], batch)
-            if bool(states[i].slots_filled):
-                rerun.append(i)
-        pending = rerun
-        if not pending:
-            break
+        sizes = _grown(sizes, [states[i] for i in pending], schedulers, workload)
+        pending = [i for i in pending if bool(states[i].slots_filled) or bool(states[i].pool_filled)]
     return states
 
 
-def _run_one_growing(trace, params, cost_fn, scheduler):
-    for num_slots in _slot_schedule([scheduler]):
-        state = jax.device_get(engine.run_jit(trace, params, cost_fn, num_slots))
-        if not bool(state.slots_filled):
-            break
+def _run_one_growing(workload: Workload, trace, params, cost_fn, scheduler, compile_timer=None):
+    """One config, growing its tables as needed; with a `compile_timer` list, compiles ahead of time and
+    appends (compile s, simulate s) per attempt."""
+    sizes: Optional[tuple[int, int]] = (_slot_schedule([scheduler])[0], INITIAL_POOL)
+    while sizes is not None:
+        shape = _queue_shape(workload, _is_scored(scheduler), *sizes)
+        if compile_timer is None:
+            state = jax.device_get(engine.run_jit(trace, params, cost_fn, sizes[0], shape))
+        else:
+            start = time.perf_counter()
+            compiled = engine.run_jit.lower(trace, params, cost_fn, sizes[0], shape).compile()
+            compiled_at = time.perf_counter()
+            state = jax.device_get(jax.block_until_ready(compiled(trace, params)))
+            compile_timer.append((compiled_at - start, time.perf_counter() - compiled_at))
+        sizes = _grown(sizes, [state], [scheduler], workload)
     return state
 
 
 def simulate_workload(workload: Workload, scheduler: SchedulerConfig, cost_fn: Callable, cost_params: Any,
-                      horizon_s: Optional[float] = None) -> SimulationOutcome:
-    """Simulate one scheduler config over a workload."""
-    params = engine_params(scheduler, cost_params, horizon_s, iteration_guard(workload))
-    state = _run_one_growing(device_trace(workload), params, cost_fn, scheduler)
-    return outcome_from_state(workload, state, horizon_s)
+                      horizon_s: Optional[float] = None,
+                      ttft_slo_ms: Optional[np.ndarray] = None) -> SimulationOutcome:
+    """Simulate one scheduler config over a workload (``ttft_slo_ms``: per-request TTFT SLOs for edf)."""
+    hits = prefix_cache_hits(workload, scheduler)
+    params = _params(workload, scheduler, cost_params, horizon_s, hits)
+    trace = device_trace(workload, scheduler.length_prediction_noise, ttft_slo_ms)
+    state = _run_one_growing(workload, trace, params, cost_fn, scheduler)
+    return _with_hits(outcome_from_state(workload, state, horizon_s), hits)
 
 
 def simulate_many(workload: Workload, schedulers: Sequence[SchedulerConfig], cost_fn: Callable,
-                  cost_params: Sequence[Any], horizon_s: Optional[float] = None) -> list[SimulationOutcome]:
-    """Simulate many scheduler configs (each with its own cost parameters) in one vmapped call."""
+                  cost_params: Sequence[Any], horizon_s: Optional[float] = None,
+                  ttft_slo_ms: Optional[np.ndarray] = None) -> list[SimulationOutcome]:
+    """Simulate many scheduler configs (each with its own cost parameters) in one vmapped call.
+
+    Configs that need different compiled engines (fcfs against a scored queue) or different predicted
+    lengths run as separate groups, each one vmapped call.
+    """
     if len(schedulers) != len(cost_params):
         raise ValueError("simulate_many needs one cost-parameter set per scheduler config")
-    guard = iteration_guard(workload)
-    params = [engine_params(s, c, horizon_s, guard) for s, c in zip(schedulers, cost_params)]
-    states = _run_growing(device_trace(workload), params, cost_fn, schedulers)
-    return [outcome_from_state(workload, state, horizon_s) for state in states]
+    hits = [prefix_cache_hits(workload, s) for s in schedulers]
+    params = [_params(workload, s, c, horizon_s, h) for s, c, h in zip(schedulers, cost_params, hits)]
+    groups: dict[tuple, list[int]] = {}
+    for i, scheduler in enumerate(schedulers):
+        scored = _is_scored(scheduler)
+        key = (scored, scheduler.length_prediction_noise if scored else 0.0, scheduler.enable_prefix_caching)
+        groups.setdefault(key, []).append(i)
+    outcomes: list = [None] * len(schedulers)
+    for (scored, noise, _), members in groups.items():
+        trace = device_trace(workload, noise, ttft_slo_ms)
+        states = _run_growing(workload, trace, [params[i] for i in members], cost_fn,
+                              [schedulers[i] for i in members], scored)
+        for i, state in zip(members, states):
+            outcomes[i] = _with_hits(outcome_from_state(workload, state, horizon_s), hits[i])
+    return outcomes
 
 
 def simulate_timed(workload: Workload, scheduler: SchedulerConfig, cost_fn: Callable, cost_params: Any,
-                   horizon_s: Optional[float] = None) -> tuple[SimulationOutcome, float, float]:
+                   horizon_s: Optional[float] = None,
+                   ttft_slo_ms: Optional[np.ndarray] = None) -> tuple[SimulationOutcome, float, float]:
     """Like simulate_workload, also returning (compile seconds, simulate seconds) measured apart."""
-    params = engine_params(scheduler, cost_params, horizon_s, iteration_guard(workload))
-    trace = device_trace(workload)
-    compile_s = simulate_s = 0.0
-    for num_slots in _slot_schedule([scheduler]):
-        start = time.perf_counter()
-        compiled = engine.run_jit.lower(trace, params, cost_fn, num_slots).compile()
-        compiled_at = time.perf_counter()
-        state = jax.device_get(jax.block_until_ready(compiled(trace, params)))
-        compile_s += compiled_at - start
-        simulate_s += time.perf_counter() - compiled_at
-        if not bool(state.slots_filled):
-            break
-    return outcome_from_state(workload, state, horizon_s), compile_s, simulate_s
+    hits = prefix_cache_hits(workload, scheduler)
+    params = _params(workload, scheduler, cost_params, horizon_s, hits)
+    trace = device_trace(workload, scheduler.length_prediction_noise, ttft_slo_ms)
+    timings: list = []
+    state = _run_one_growing(workload, trace, params, cost_fn, scheduler, timings)
+    compile_s, simulate_s = (sum(column) for column in zip(*timings))
+    return _with_hits(outcome_from_state(workload, state, horizon_s), hits), compile_s, simulate_s

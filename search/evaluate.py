@@ -21,6 +21,7 @@ from servetune.config import Config
 from servetune.cost_models.factory import build_cost_model
 from servetune.envs.metrics import compute_metrics
 from servetune.envs.simulator import num_slots_for, simulate_many
+from servetune.envs.slos import per_request_slos
 from servetune.envs.workload import Workload, build_workload
 from servetune.pipeline import resolve
 
@@ -91,10 +92,13 @@ class BatchEvaluator:
         padded = runnable + [runnable[-1]] * (width - len(runnable))
         workload = self.workload(padded[0])
         cost_fn = self._cost_model(padded[0])[0]
+        # Class SLOs belong to the workload's tenants, which every config of a batch shares.
+        slos = per_request_slos(padded[0], workload)
         outcomes = simulate_many(workload, [c.scheduler for c in padded], cost_fn,
-                                 [self._cost_model(c)[1] for c in padded], padded[0].simulation.horizon_s)
+                                 [self._cost_model(c)[1] for c in padded], padded[0].simulation.horizon_s,
+                                 slos.ttft_ms)
         return [
-            {**compute_metrics(workload, outcome, config.slo, config.scheduler.num_kv_blocks),
+            {**compute_metrics(workload, outcome, slos, config.scheduler.num_kv_blocks),
              "truncated": outcome.totals.truncated}
             for config, outcome in zip(resolved, outcomes)
         ]

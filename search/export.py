@@ -33,7 +33,9 @@ STATIC_ONLY = ("scheduler.batch_size", "scheduler.max_wait_s")
 CONTINUOUS_ONLY = ("scheduler.max_num_seqs", "scheduler.long_prefill_token_threshold")
 # Values at which a knob changes nothing, so an engine without the knob loses nothing.
 NEUTRAL = {"scheduler.long_prefill_token_threshold": 0, "scheduler.watermark": 0.0,
-           "scheduler.max_num_queued_reqs": None, "hardware.tp": 1}
+           "scheduler.max_num_queued_reqs": None, "hardware.tp": 1, "scheduler.queue_order": "fcfs",
+           "scheduler.priority_weights": None, "scheduler.length_prediction_noise": 0.0,
+           "scheduler.enable_prefix_caching": False}
 
 # vLLM 0.33's scheduler and cache keys (engines.md); its SchedulerConfig refuses any other key at start-up.
 VLLM_KEYS = ("max-num-seqs", "max-num-batched-tokens", "enable-chunked-prefill", "long-prefill-token-threshold",
@@ -43,6 +45,12 @@ VLLM_KEYS = ("max-num-seqs", "max-num-batched-tokens", "enable-chunked-prefill",
 # servetune follows vLLM, lower value first.
 PRIORITY_ORDER = {"vllm": "lower value served first", "sglang": "higher value served first (negate servetune's)",
                   "trtllm": "no request priorities", "tgi": "no request priorities"}
+
+
+def _priority_direction(engine: str, config: Config) -> str:
+    if engine == "sglang" and config.scheduler.queue_order == "priority":
+        return "lower value served first (schedule-low-priority-values-first, as servetune's priority order)"
+    return PRIORITY_ORDER[engine]
 
 
 @dataclass(frozen=True)
@@ -132,10 +140,12 @@ def _vllm(policy: Policy) -> tuple[dict, list[str]]:
         "max-num-seqs": _concurrency(s),
         "max-num-batched-tokens": s.max_num_batched_tokens,
         "enable-chunked-prefill": s.enable_chunked_prefill,
-        "scheduling-policy": "fcfs",
+        # vLLM's two policies are servetune's fcfs and priority orders (lower first, ties by arrival).
+        "scheduling-policy": "priority" if s.queue_order == "priority" else "fcfs",
         "block-size": s.block_size,
         "gpu-memory-utilization": _memory_share(policy),
-        # servetune simulates no prefix reuse; a cache that finds none changes nothing, so vLLM keeps its default.
+        # On by default in vLLM: say it either way, since the simulation did or did not count on it.
+        "enable-prefix-caching": s.enable_prefix_caching,
     }
     if s.enable_chunked_prefill and s.long_prefill_token_threshold:
         keys["long-prefill-token-threshold"] = s.long_prefill_token_threshold
@@ -149,7 +159,10 @@ def _vllm(policy: Policy) -> tuple[dict, list[str]]:
         keys["watermark"] = s.watermark
     expressed = {"scheduler.max_num_seqs", "scheduler.batch_size", "scheduler.max_num_batched_tokens",
                  "scheduler.enable_chunked_prefill", "scheduler.long_prefill_token_threshold", "scheduler.block_size",
-                 "scheduler.num_kv_blocks", "scheduler.watermark", "scheduler.max_num_queued_reqs"}
+                 "scheduler.num_kv_blocks", "scheduler.watermark", "scheduler.max_num_queued_reqs",
+                 "scheduler.enable_prefix_caching"}
+    if s.queue_order == "priority":
+        expressed.add("scheduler.queue_order")
     warnings = _unexpressed(policy.config, expressed, "vllm")
     if "max-model-len" in keys:
         warnings.append(f"vllm: max-model-len is set to the token budget ({keys['max-model-len']}) because chunked "
@@ -186,13 +199,21 @@ def _sglang(policy: Policy) -> tuple[dict, list[str]]:
         "max-prefill-tokens": s.max_num_batched_tokens,
         # Chunks share steps with decodes, as in the simulated (and vLLM's) mixed batches.
         "enable-mixed-chunk": s.enable_chunked_prefill,
-        "schedule-policy": "fcfs",
+        "schedule-policy": "priority" if s.queue_order == "priority" else "fcfs",
         "mem-fraction-static": _memory_share(policy),
+        "disable-radix-cache": not s.enable_prefix_caching,
     }
+    if s.queue_order == "priority":
+        # SGLang serves higher values first unless told otherwise; servetune (like vLLM) serves lower first.
+        keys["enable-priority-scheduling"] = True
+        keys["schedule-low-priority-values-first"] = True
     if s.max_num_queued_reqs is not None:
         keys["max-queued-requests"] = s.max_num_queued_reqs
     expressed = {"scheduler.max_num_seqs", "scheduler.batch_size", "scheduler.max_num_batched_tokens",
-                 "scheduler.enable_chunked_prefill", "scheduler.num_kv_blocks", "scheduler.max_num_queued_reqs"}
+                 "scheduler.enable_chunked_prefill", "scheduler.num_kv_blocks", "scheduler.max_num_queued_reqs",
+                 "scheduler.enable_prefix_caching"}
+    if s.queue_order == "priority":
+        expressed.add("scheduler.queue_order")
     warnings = _unexpressed(policy.config, expressed, "sglang")
     if keys["max-running-requests"] < 1:
         raise UserError(f"sglang: max-running-requests {keys['max-running-requests']} < 1")
@@ -212,8 +233,9 @@ def _trtllm(policy: Policy) -> tuple[dict, list[str]]:
     }
     if s.enable_chunked_prefill:
         keys["scheduler_config"]["context_chunking_policy"] = "FIRST_COME_FIRST_SERVED"
+    keys["kv_cache_config"] = {"enable_block_reuse": s.enable_prefix_caching}
     expressed = {"scheduler.max_num_seqs", "scheduler.max_num_batched_tokens", "scheduler.enable_chunked_prefill",
-                 "scheduler.batch_size"}
+                 "scheduler.batch_size", "scheduler.enable_prefix_caching"}
     warnings = _unexpressed(policy.config, expressed, "trtllm", policies=("continuous", "static"))
     return keys, warnings
 
@@ -245,7 +267,10 @@ def _servetune(policy: Policy) -> tuple[dict, list[str]]:
     config = policy.config
     document = {
         "servetune_policy": POLICY_FORMAT_VERSION,
-        "scheduler": dataclasses.asdict(config.scheduler),
+        # Weights as a {feature: weight} mapping, the form a config file gives them in.
+        "scheduler": {**dataclasses.asdict(config.scheduler),
+                      "priority_weights": None if config.scheduler.priority_weights is None
+                      else dict(config.scheduler.priority_weights)},
         "hardware": dataclasses.asdict(config.hardware),
         "priority_order": PRIORITY_ORDER["vllm"],
         "predicted": policy.predicted,
@@ -282,7 +307,7 @@ def export(policy: Policy, engine: str, file_name: str = "FILE") -> Exported:
                       f"{_num(m.get('slo_attainment'))}, p99 TTFT {_num(m.get('p99_ttft_ms'))} ms, "
                       f"p99 ITL {_num(m.get('p99_itl_ms'))} ms")
     if engine in ("vllm", "sglang"):
-        header.append(f"request priority: {PRIORITY_ORDER[engine]}")
+        header.append(f"request priority: {_priority_direction(engine, policy.config)}")
     header += [f"warning: {w}" for w in warnings]
     comments = "".join(f"# {line}\n" for line in header)
     if engine == "tgi":

@@ -18,6 +18,7 @@ import numpy as np
 import optuna
 
 from servetune.config import Config, KnobConfig
+from servetune.envs.queue_order import FEATURES
 
 # The knobs searched when the config has no `search.knobs`. Token budgets start at 512 so that vLLM's rule
 # max_num_batched_tokens ≥ max_num_seqs holds for every pair in the default space.
@@ -107,7 +108,12 @@ class SearchSpace:
                 if knob.spec.choices is not None and values[knob.key] not in knob.spec.choices]
 
 
+WEIGHT_PREFIX = "scheduler.priority_weights."   # one weight of the weighted queue order is a knob
+
+
 def _field_type(key: str) -> type:
+    if key.startswith(WEIGHT_PREFIX):
+        return float
     section, name = key.split(".", 1)
     hint = typing.get_type_hints(typing.get_type_hints(Config)[section])[name]
     inner = [arg for arg in typing.get_args(hint) if arg is not type(None)]
@@ -115,6 +121,8 @@ def _field_type(key: str) -> type:
 
 
 def get_field(config: Config, key: str) -> Any:
+    if key.startswith(WEIGHT_PREFIX):
+        return dict(config.scheduler.priority_weights or ()).get(key[len(WEIGHT_PREFIX):], 0.0)
     section, name = key.split(".", 1)
     return getattr(getattr(config, section), name)
 
@@ -123,9 +131,17 @@ def apply_knobs(config: Config, values: Mapping[str, Any]) -> Config:
     """``config`` with each knob set. The prefill-chunk cap only means something with chunked prefill, so it
     is 0 without it (the rule the config loader enforces)."""
     by_section: dict[str, dict[str, Any]] = {}
+    weights = dict(config.scheduler.priority_weights or ())
     for key, value in values.items():
+        if key.startswith(WEIGHT_PREFIX):
+            weights[key[len(WEIGHT_PREFIX):]] = float(value)
+            continue
         section, name = key.split(".", 1)
         by_section.setdefault(section, {})[name] = value
+    if weights:
+        # Kept in FEATURES order, as the config loader keeps them.
+        by_section.setdefault("scheduler", {})["priority_weights"] = tuple(
+            (name, weights[name]) for name in FEATURES if name in weights)
     config = dataclasses.replace(config, **{
         section: dataclasses.replace(getattr(config, section), **fields) for section, fields in by_section.items()})
     if not config.scheduler.enable_chunked_prefill and config.scheduler.long_prefill_token_threshold:

@@ -176,3 +176,20 @@ def test_a_context_capped_by_the_budget_is_warned_about():
     assert any("max-model-len" in w and "4096" in w for w in capped.warnings)
     assert "# warning: vllm: max-model-len" in capped.text
     assert not any("max-model-len" in w for w in export(_policy(), "vllm").warnings)
+
+
+def test_queue_orders_and_prefix_caching_map_to_each_engine_or_are_warned():
+    priority = _policy("scheduler.queue_order=priority", "scheduler.enable_prefix_caching=true")
+    vllm = yaml.safe_load(export(priority, "vllm").text)
+    assert vllm["scheduling-policy"] == "priority" and vllm["enable-prefix-caching"] is True
+    sglang_export = export(priority, "sglang")
+    sglang = yaml.safe_load(sglang_export.text)
+    assert sglang["schedule-policy"] == "priority" and sglang["schedule-low-priority-values-first"] is True
+    assert sglang["disable-radix-cache"] is False
+    assert "# request priority: lower value served first" in sglang_export.text
+    assert yaml.safe_load(export(priority, "trtllm").text)["kv_cache_config"] == {"enable_block_reuse": True}
+    # vLLM caches prefixes by default: a simulation without the cache says so explicitly.
+    assert yaml.safe_load(export(_policy(), "vllm").text)["enable-prefix-caching"] is False
+    fair = export(_policy("scheduler.queue_order=fair"), "vllm")
+    assert any("cannot express scheduler.queue_order=fair" in w for w in fair.warnings)
+    assert yaml.safe_load(fair.text)["scheduling-policy"] == "fcfs"
