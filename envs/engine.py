@@ -44,7 +44,7 @@ DEFICIT = FEATURES.index("deficit")
 # Request-table status while simulating (envs/outcome.py maps these to the reported statuses).
 PENDING, IN_SYSTEM, DONE, REJECTED = 0, 1, 2, 3
 # Rejection reasons, as in envs/outcome.py.
-KV_CAPACITY, TOKEN_BUDGET, QUEUE_FULL = 1, 2, 3
+KV_CAPACITY, TOKEN_BUDGET, QUEUE_FULL, TENANT_RATE = 1, 2, 3, 4
 
 f32, i32 = jnp.float32, jnp.int32
 
@@ -66,6 +66,7 @@ class Trace:
     priority: jnp.ndarray           # float32 class priority
     predicted_output: jnp.ndarray   # float32 output length the scheduler believes
     ttft_budget: jnp.ndarray        # float32 seconds from arrival to its TTFT deadline
+    rate_limited: jnp.ndarray       # bool: its tenant's rate limit refuses it at arrival (envs/admission.py)
 
 
 class QueueShape(NamedTuple):
@@ -155,7 +156,9 @@ class EngineState:
     # top_k, which breaks ties by position, breaks them by arrival; and per tenant a virtual
     # token counter, the requests it has in the system and whether it had any at the last step boundary.
     pool_filled: jnp.ndarray   # the pool overflowed: rerun with a larger one
-    pool_key: jnp.ndarray      # per pool entry: its score without the deficit term (fixed per request)
+    pool_key: jnp.ndarray      # per pool entry: its score without the deficit term (fixed per request);
+                               # +inf marks an admitted entry not yet compacted away
+    pool_end: jnp.ndarray      # entries [0, pool_end) are live or admitted; queue_len of them are live
     pool_tenant: jnp.ndarray   # per pool entry: its tenant
     tenant_tokens: jnp.ndarray
     tenant_in_system: jnp.ndarray
@@ -242,7 +245,7 @@ def init_state(trace: Trace, params: EngineParams, num_slots: int, queue_shape: 
         itl_histogram=jnp.zeros(ITL_HIST_BINS, i32),
         iterations=jnp.asarray(0, i32), ended=jnp.asarray(False), slots_filled=jnp.asarray(False),
         pool_filled=jnp.asarray(False), tenant_tokens=jnp.zeros(tenants, i32),
-        pool_key=jnp.zeros(0 if queue_shape is None else queue_size, f32),
+        pool_key=jnp.zeros(0 if queue_shape is None else queue_size, f32), pool_end=jnp.asarray(0, i32),
         pool_tenant=jnp.zeros(0 if queue_shape is None else queue_size, i32),
         tenant_in_system=jnp.zeros(tenants, i32), tenant_active=jnp.zeros(tenants, bool),
     )
@@ -280,13 +283,15 @@ def _process_arrivals(trace: Trace, params: EngineParams, state: EngineState, sc
     peak_tokens = trace.prompt[safe] + trace.output[safe] - 1
     never_fits = _ceil_div(peak_tokens, params.block_size) > params.num_kv_blocks - params.watermark_blocks
     over_budget = ~params.chunked_prefill & (peak_tokens > params.max_num_batched_tokens)
-    admissible = due & ~never_fits & ~over_budget
+    limited = trace.rate_limited[safe]
+    admissible = due & ~limited & ~never_fits & ~over_budget
     # Once the queue is full it stays full for the rest of this batch (nothing leaves it here), so the
     # accepted arrivals are the first admissible ones that still find room.
     rank = _exclusive_cumsum(admissible.astype(i32))
     accepted = admissible & (state.queue_len + rank < params.max_num_queued_reqs)
     rejected = due & ~accepted
-    reason = jnp.where(never_fits, KV_CAPACITY, jnp.where(over_budget, TOKEN_BUDGET, QUEUE_FULL))
+    reason = jnp.where(limited, TENANT_RATE,
+                       jnp.where(never_fits, KV_CAPACITY, jnp.where(over_budget, TOKEN_BUDGET, QUEUE_FULL)))
 
     count = jnp.sum(accepted, dtype=i32)
     arrived = Arrived(
@@ -304,14 +309,15 @@ def _process_arrivals(trace: Trace, params: EngineParams, state: EngineState, sc
     waited = _df_sub(state.clock_hi, state.clock_lo, trace.arrival_hi[safe], trace.arrival_lo[safe])
     next_arrival = state.next_arrival + jnp.sum(due, dtype=i32)
     if scored:
-        # Arrivals are newer than everything waiting, so appending keeps the pool in id order. One that
+        # Arrivals are newer than everything in the pool, so appending keeps it in id order. One that
         # finds the pool full marks the run for a rerun with a larger pool (and this run ends).
-        where = state.queue_len + rank
+        where = state.pool_end + rank
         state = replace(state,
             queue=_set_where(state.queue, where, index, accepted),
             pool_key=_set_where(state.pool_key, where, _static_keys(trace, params, safe), accepted),
             pool_tenant=_set_where(state.pool_tenant, where, trace.tenant[safe], accepted),
-            pool_filled=state.pool_filled | (state.queue_len + count > state.queue.shape[0]),
+            pool_end=state.pool_end + count,
+            pool_filled=state.pool_filled | (state.pool_end + count > state.queue.shape[0]),
             tenant_in_system=state.tenant_in_system.at[trace.tenant[safe]].add(accepted.astype(i32)),
         )
     state = replace(state,
@@ -391,7 +397,7 @@ def _pool_front(trace: Trace, params: EngineParams, state: EngineState, num_slot
     """The num_slots best-scored waiting requests as would-be slot rows, which of them exist, and where
     each sits in the pool (so that admitting them can remove them)."""
     pool_size = state.queue.shape[0]
-    in_pool = jnp.arange(pool_size, dtype=i32) < state.queue_len
+    in_pool = jnp.arange(pool_size, dtype=i32) < state.pool_end   # admitted entries' keys are +inf
     score = jnp.where(in_pool, state.pool_key + _deficit_term(params, state, state.pool_tenant), jnp.inf)
     # top_k puts equal values in position order, and the pool is in arrival order: ties go to the earlier.
     neg_score, at = jax.lax.top_k(-score, num_slots)
@@ -430,34 +436,36 @@ def _count_below(sorted_values, length, queries):
     return low
 
 
+_POOL_FIELDS = ("queue", "pool_key", "pool_tenant", "queue_len", "pool_end", "pool_filled")
+
+
 def _pool_update(state: EngineState, needed, update) -> EngineState:
-    """Apply `update` (pool fields -> pool fields) only when `needed`: most iterations neither admit nor
-    preempt, and the pool can be long. Only the pool goes through the branch, never the request table."""
-    fields = (state.queue, state.pool_key, state.pool_tenant, state.queue_len, state.pool_filled)
-    queue, key, tenant, length, filled = jax.lax.cond(needed, update, lambda f: f, fields)
-    return replace(state, queue=queue, pool_key=key, pool_tenant=tenant, queue_len=length, pool_filled=filled)
+    """Apply `update` (pool fields -> pool fields) only when `needed`: it touches the whole pool, which can
+    be long, and is rarely needed. Only the pool goes through the branch, never the request table."""
+    fields = tuple(getattr(state, name) for name in _POOL_FIELDS)
+    return replace(state, **dict(zip(_POOL_FIELDS, jax.lax.cond(needed, update, lambda f: f, fields))))
+
+
+def _make_room(state: EngineState, room: int) -> EngineState:
+    """Compact the pool (drop admitted entries, keep the order) when fewer than `room` entries are free."""
+    return _pool_update(state, state.pool_end + room > state.queue.shape[0], _compacted)
+
+
+def _compacted(fields):
+    queue, key, tenant, queue_len, pool_end, filled = fields
+    pool_size = queue.shape[0]
+    keep = (jnp.arange(pool_size, dtype=i32) < pool_end) & jnp.isfinite(key)
+    target = jnp.where(keep, _exclusive_cumsum(keep.astype(i32)), pool_size)
+    queue, key, tenant = (jnp.zeros_like(field).at[target].set(field, mode="drop") for field in (queue, key, tenant))
+    return queue, key, tenant, queue_len, queue_len, filled
 
 
 def _remove_from_pool(state: EngineState, at, count) -> EngineState:
-    return _pool_update(state, count > 0, lambda fields: _removed(fields, at, count))
-
-
-def _removed(fields, at, count):
-    """Drop pool entries at[:count] (the admitted), keeping the rest in order: new position j takes the
-    old entry j + (removed positions it has passed)."""
-    queue, key, tenant, queue_len, filled = fields
-    pool_size = queue.shape[0]
+    """The admitted (entries at[:count]) leave the queue: their keys become +inf, which no top_k picks, and
+    the next compaction drops them. O(count), however long the pool."""
     k = jnp.arange(at.shape[0], dtype=i32)
-    removed = k < count
-    ordered = jnp.full(at.shape, NO_LIMIT, i32).at[jnp.where(removed, _rank_among(at, removed), at.shape[0])].set(
-        at, mode="drop")
-    # Removed positions in order, less their rank: new j comes from old j + #(ordered[r] - r <= j).
-    shifted = ordered - k
-    j = jnp.arange(pool_size, dtype=i32)
-    source = j + _count_below(shifted, count, j + 1)
-    queue, key, tenant = (jnp.where(j < queue_len - count, field[jnp.minimum(source, pool_size - 1)], field)
-                          for field in (queue, key, tenant))
-    return queue, key, tenant, queue_len - count, filled
+    return replace(state, pool_key=_set_where(state.pool_key, at, jnp.inf, k < count),
+                   queue_len=state.queue_len - count)
 
 
 def _insert_into_pool(trace, params, state: EngineState, ids, mask) -> EngineState:
@@ -466,21 +474,22 @@ def _insert_into_pool(trace, params, state: EngineState, ids, mask) -> EngineSta
 
 def _inserted(trace, params, fields, ids, mask):
     """Put requests `ids` (where mask, in any order) into the pool at their places in id order."""
-    queue, key, tenant, queue_len, filled = fields
+    queue, key, tenant, queue_len, pool_end, filled = fields
     pool_size = queue.shape[0]
     count = jnp.sum(mask, dtype=i32)
     rank = _rank_among(jnp.where(mask, ids, NO_LIMIT), mask)   # place among the inserted
     sorted_ids = jnp.full(ids.shape, NO_LIMIT, i32).at[jnp.where(mask, rank, ids.shape[0])].set(ids, mode="drop")
     old = jnp.arange(pool_size, dtype=i32)
-    in_pool = old < queue_len
-    old_target = old + _count_below(sorted_ids, count, queue)   # inserted ids below it come first
-    new_target = rank + _count_below(queue, queue_len, ids)
+    in_pool = old < pool_end
+    # A victim's own admitted entry may still be in the pool with the same id: the victim goes before it.
+    old_target = old + _count_below(sorted_ids, count, queue + 1)   # inserted ids up to its own come first
+    new_target = rank + _count_below(queue, pool_end, ids)
     drop = pool_size
     targets = jnp.concatenate([jnp.where(in_pool, old_target, drop), jnp.where(mask, new_target, drop)])
     pairs = zip((queue, key, tenant), (ids, _static_keys(trace, params, ids), trace.tenant[ids]))
     queue, key, tenant = (jnp.zeros_like(old_field).at[targets].set(jnp.concatenate([old_field, new]), mode="drop")
                           for old_field, new in pairs)
-    return queue, key, tenant, queue_len + count, filled | (queue_len + count > pool_size)
+    return queue, key, tenant, queue_len + count, pool_end + count, filled | (pool_end + count > pool_size)
 
 
 def _sort_slots(slots: Slots, tokens, num_running):
@@ -883,6 +892,9 @@ def _choose(pred, if_true: EngineState, if_false: EngineState) -> EngineState:
 
 
 def _iteration(trace, params, state, cost_fn, num_slots, scored: bool):
+    if scored:
+        # Room for this iteration's arrivals and preemption victims, before anything reads the pool.
+        state = _make_room(state, ARRIVALS_PER_ITERATION + num_slots)
     state, more_due, arrived = _process_arrivals(trace, params, state, scored)
     past_horizon = _df_le(params.horizon_hi, params.horizon_lo, state.clock_hi, state.clock_lo)
     live = _live(state, params)

@@ -14,12 +14,13 @@ COMPLETED, REJECTED, UNFINISHED, NOT_ARRIVED = 0, 1, 2, 3
 STATUS_NAMES = {COMPLETED: "completed", REJECTED: "rejected", UNFINISHED: "unfinished", NOT_ARRIVED: "not_arrived"}
 
 # Why a request was rejected at arrival.
-REJECT_NONE, REJECT_KV_CAPACITY, REJECT_TOKEN_BUDGET, REJECT_QUEUE_FULL = 0, 1, 2, 3
+REJECT_NONE, REJECT_KV_CAPACITY, REJECT_TOKEN_BUDGET, REJECT_QUEUE_FULL, REJECT_TENANT_RATE = 0, 1, 2, 3, 4
 REJECT_NAMES = {
     REJECT_NONE: "",
     REJECT_KV_CAPACITY: "kv_capacity",
     REJECT_TOKEN_BUDGET: "token_budget",
     REJECT_QUEUE_FULL: "queue_full",
+    REJECT_TENANT_RATE: "tenant_rate_limit",
 }
 
 # Inter-token gaps are pooled into a log-spaced histogram: 10 us .. 10^4 s in 2,048 bins, each about

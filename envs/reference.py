@@ -23,6 +23,7 @@ from servetune.envs.outcome import (
     REJECT_KV_CAPACITY,
     REJECT_NONE,
     REJECT_QUEUE_FULL,
+    REJECT_TENANT_RATE,
     REJECT_TOKEN_BUDGET,
     REJECTED,
     UNFINISHED,
@@ -50,12 +51,15 @@ def simulate_reference(
     cost_params,
     horizon_s: Optional[float] = None,
     ttft_slo_ms: Optional[np.ndarray] = None,
+    rate_limited: Optional[np.ndarray] = None,
 ) -> SimulationOutcome:
     """Serve ``workload`` under ``scheduler``, costing each step with ``cost_fn(cost_params, batch)``.
 
-    ``ttft_slo_ms`` gives each request's TTFT SLO (+inf for none), which the edf order turns into deadlines.
+    ``ttft_slo_ms`` gives each request's TTFT SLO (+inf for none), which the edf order turns into deadlines;
+    ``rate_limited`` marks the requests their tenant's rate limit refuses (envs/admission.py).
     """
-    outcome, _ = simulate_reference_detailed(workload, scheduler, cost_fn, cost_params, horizon_s, ttft_slo_ms)
+    outcome, _ = simulate_reference_detailed(workload, scheduler, cost_fn, cost_params, horizon_s, ttft_slo_ms,
+                                             rate_limited)
     return outcome
 
 
@@ -66,12 +70,13 @@ def simulate_reference_detailed(
     cost_params,
     horizon_s: Optional[float] = None,
     ttft_slo_ms: Optional[np.ndarray] = None,
+    rate_limited: Optional[np.ndarray] = None,
 ) -> tuple[SimulationOutcome, np.ndarray]:
     """Like ``simulate_reference``, plus every inter-token gap in emission order (float64 seconds).
 
     The outcome only keeps the gaps as a histogram; tests use the exact list to check pooled ITL metrics.
     """
-    engine = _Engine(workload, scheduler, cost_fn, cost_params, horizon_s, ttft_slo_ms)
+    engine = _Engine(workload, scheduler, cost_fn, cost_params, horizon_s, ttft_slo_ms, rate_limited)
     engine.run()
     return engine.outcome(), np.asarray(engine.gaps, dtype=np.float64)
 
@@ -153,7 +158,7 @@ class _Engine:
     """Engine state between steps, and the rules that move it from one step boundary to the next."""
 
     def __init__(self, workload: Workload, config: SchedulerConfig, cost_fn: CostFn, cost_params, horizon_s,
-                 ttft_slo_ms):
+                 ttft_slo_ms, rate_limited=None):
         self.config = config
         self.cost_fn = cost_fn
         self.cost_params = cost_params
@@ -180,6 +185,8 @@ class _Engine:
         self.tenant_in_system = [0] * num_tenants
         self.tenant_active = [False] * num_tenants
         self.front: list[_Request] = []   # scored: the waiting requests in score order at this boundary
+        self.rate_limited = (np.zeros(workload.num_requests, bool) if rate_limited is None
+                             else np.asarray(rate_limited, bool))
         self.watermark_blocks = math.floor(config.watermark * config.num_kv_blocks)  # W
         self.free_blocks = config.num_kv_blocks
         self.waiting: deque[_Request] = deque()
@@ -237,6 +244,8 @@ class _Engine:
 
     def rejection_reason(self, request: _Request) -> int:
         config = self.config
+        if self.rate_limited[request.index]:
+            return REJECT_TENANT_RATE   # the gateway refuses it before the engine sees it
         peak_tokens = request.prompt + request.output - 1  # the last output token is never fed back
         if _blocks_for(peak_tokens, config.block_size) > config.num_kv_blocks - self.watermark_blocks:
             return REJECT_KV_CAPACITY

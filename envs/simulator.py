@@ -30,10 +30,11 @@ INT32_MAX = 2**31 - 1
 
 
 def device_trace(workload: Workload, length_prediction_noise: float = 0.0,
-                 ttft_slo_ms: Optional[np.ndarray] = None) -> engine.Trace:
+                 ttft_slo_ms: Optional[np.ndarray] = None, rate_limited: Optional[np.ndarray] = None) -> engine.Trace:
     """The workload as device arrays; arrival times split into float32 hi + lo parts.
 
-    ``ttft_slo_ms`` (per request, +inf for none; envs/slos.py) sets the deadlines the edf order reads.
+    ``ttft_slo_ms`` (per request, +inf for none; envs/slos.py) sets the deadlines the edf order reads;
+    ``rate_limited`` (per request; envs/admission.py) marks the arrivals tenants' rate limits refuse.
     """
     hi, lo = _split_double(workload.arrival_s)
     if ttft_slo_ms is None:
@@ -47,6 +48,7 @@ def device_trace(workload: Workload, length_prediction_noise: float = 0.0,
         priority=jnp.asarray(workload.priority, jnp.float32),
         predicted_output=jnp.asarray(predicted_output_tokens(workload, length_prediction_noise), jnp.float32),
         ttft_budget=jnp.asarray(ttft_budgets_s(ttft_slo_ms), jnp.float32),
+        rate_limited=jnp.asarray(np.zeros(workload.num_requests, bool) if rate_limited is None else rate_limited),
     )
 
 
@@ -246,19 +248,20 @@ def _run_one_growing(workload: Workload, trace, params, cost_fn, scheduler, comp
 
 
 def simulate_workload(workload: Workload, scheduler: SchedulerConfig, cost_fn: Callable, cost_params: Any,
-                      horizon_s: Optional[float] = None,
-                      ttft_slo_ms: Optional[np.ndarray] = None) -> SimulationOutcome:
-    """Simulate one scheduler config over a workload (``ttft_slo_ms``: per-request TTFT SLOs for edf)."""
+                      horizon_s: Optional[float] = None, ttft_slo_ms: Optional[np.ndarray] = None,
+                      rate_limited: Optional[np.ndarray] = None) -> SimulationOutcome:
+    """Simulate one scheduler config over a workload (``ttft_slo_ms`` and ``rate_limited``: see device_trace)."""
     hits = prefix_cache_hits(workload, scheduler)
     params = _params(workload, scheduler, cost_params, horizon_s, hits)
-    trace = device_trace(workload, scheduler.length_prediction_noise, ttft_slo_ms)
+    trace = device_trace(workload, scheduler.length_prediction_noise, ttft_slo_ms, rate_limited)
     state = _run_one_growing(workload, trace, params, cost_fn, scheduler)
     return _with_hits(outcome_from_state(workload, state, horizon_s), hits)
 
 
 def simulate_many(workload: Workload, schedulers: Sequence[SchedulerConfig], cost_fn: Callable,
                   cost_params: Sequence[Any], horizon_s: Optional[float] = None,
-                  ttft_slo_ms: Optional[np.ndarray] = None) -> list[SimulationOutcome]:
+                  ttft_slo_ms: Optional[np.ndarray] = None,
+                  rate_limited: Optional[np.ndarray] = None) -> list[SimulationOutcome]:
     """Simulate many scheduler configs (each with its own cost parameters) in one vmapped call.
 
     Configs that need different compiled engines (fcfs against a scored queue) or different predicted
@@ -275,7 +278,7 @@ def simulate_many(workload: Workload, schedulers: Sequence[SchedulerConfig], cos
         groups.setdefault(key, []).append(i)
     outcomes: list = [None] * len(schedulers)
     for (scored, noise, _), members in groups.items():
-        trace = device_trace(workload, noise, ttft_slo_ms)
+        trace = device_trace(workload, noise, ttft_slo_ms, rate_limited)
         states = _run_growing(workload, trace, [params[i] for i in members], cost_fn,
                               [schedulers[i] for i in members], scored)
         for i, state in zip(members, states):
@@ -284,12 +287,12 @@ def simulate_many(workload: Workload, schedulers: Sequence[SchedulerConfig], cos
 
 
 def simulate_timed(workload: Workload, scheduler: SchedulerConfig, cost_fn: Callable, cost_params: Any,
-                   horizon_s: Optional[float] = None,
-                   ttft_slo_ms: Optional[np.ndarray] = None) -> tuple[SimulationOutcome, float, float]:
+                   horizon_s: Optional[float] = None, ttft_slo_ms: Optional[np.ndarray] = None,
+                   rate_limited: Optional[np.ndarray] = None) -> tuple[SimulationOutcome, float, float]:
     """Like simulate_workload, also returning (compile seconds, simulate seconds) measured apart."""
     hits = prefix_cache_hits(workload, scheduler)
     params = _params(workload, scheduler, cost_params, horizon_s, hits)
-    trace = device_trace(workload, scheduler.length_prediction_noise, ttft_slo_ms)
+    trace = device_trace(workload, scheduler.length_prediction_noise, ttft_slo_ms, rate_limited)
     timings: list = []
     state = _run_one_growing(workload, trace, params, cost_fn, scheduler, timings)
     compile_s, simulate_s = (sum(column) for column in zip(*timings))

@@ -21,6 +21,7 @@ from servetune.config import Config
 from servetune.cost_models.factory import build_cost_model
 from servetune.envs.metrics import compute_metrics
 from servetune.envs.simulator import num_slots_for, simulate_many
+from servetune.envs.admission import rate_limited
 from servetune.envs.slos import per_request_slos
 from servetune.envs.workload import Workload, build_workload
 from servetune.pipeline import resolve
@@ -96,7 +97,7 @@ class BatchEvaluator:
         slos = per_request_slos(padded[0], workload)
         outcomes = simulate_many(workload, [c.scheduler for c in padded], cost_fn,
                                  [self._cost_model(c)[1] for c in padded], padded[0].simulation.horizon_s,
-                                 slos.ttft_ms)
+                                 slos.ttft_ms, rate_limited(workload, padded[0].workload.tenants))
         return [
             {**compute_metrics(workload, outcome, slos, config.scheduler.num_kv_blocks),
              "truncated": outcome.totals.truncated}

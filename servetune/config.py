@@ -61,6 +61,8 @@ class TenantConfig:
     slo: Optional["SloConfig"] = None         # null: the config's slo; a class SLO sets edf deadlines
     prefix_tokens: int = 0           # its requests start with one of `prefix_groups` shared prefixes
     prefix_groups: int = 1           # of this many tokens (a system prompt, a RAG document)
+    max_rate: Optional[float] = None  # admission: a token bucket refilling at this many requests/s ...
+    max_burst: int = 1               # ... holding this many; an arrival finding it empty is rejected
 
 
 @dataclass(frozen=True)

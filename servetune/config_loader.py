@@ -86,6 +86,8 @@ FIELD_RANGES: dict[str, Range] = {
     "workload.tenants.share": POSITIVE,
     "workload.tenants.prefix_tokens": Range(low=0, high=MAX_TOKEN_COUNT - 1),
     "workload.tenants.prefix_groups": AT_LEAST_ONE,
+    "workload.tenants.max_rate": POSITIVE,
+    "workload.tenants.max_burst": AT_LEAST_ONE,
     "workload.num_requests": AT_LEAST_ONE,
     "workload.seed": NON_NEGATIVE,   # numpy's default_rng takes no negative seeds
     "scheduler.max_num_seqs": AT_LEAST_ONE,

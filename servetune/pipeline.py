@@ -11,6 +11,7 @@ from servetune.cost_models.factory import build_cost_model, derive_num_kv_blocks
 from servetune.envs.metrics import compute_metrics, segment_metrics
 from servetune.envs.outcome import SimulationOutcome
 from servetune.envs.simulator import simulate_timed
+from servetune.envs.admission import rate_limited
 from servetune.envs.slos import per_request_slos
 from servetune.envs.workload import Workload, build_workload
 
@@ -42,7 +43,8 @@ def simulate_config(config: Config, window_s: Optional[float] = None) -> RunRepo
     load_s = time.perf_counter() - start
     slos = per_request_slos(config, workload)
     outcome, compile_s, simulate_s = simulate_timed(
-        workload, config.scheduler, cost_fn, cost_params, config.simulation.horizon_s, slos.ttft_ms)
+        workload, config.scheduler, cost_fn, cost_params, config.simulation.horizon_s, slos.ttft_ms,
+        rate_limited(workload, config.workload.tenants))
     metrics = compute_metrics(workload, outcome, slos, config.scheduler.num_kv_blocks)
     segments = segment_metrics(workload, outcome, slos, window_s)
     timing = {"load_s": load_s, "compile_s": compile_s, "simulate_s": simulate_s}

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from servetune.cost_models.linear import step_time_s
+from servetune.envs.outcome import REJECT_TENANT_RATE
 from servetune.envs.queue_order import FEATURES
 from servetune.envs.reference import simulate_reference
 from servetune.envs.simulator import simulate_many
@@ -20,6 +21,7 @@ from test_differential import assert_agree, draw_cost, draw_scheduler, draw_work
 
 ORDERS = ("priority", "sjf", "fair", "edf", "weighted")
 NUM_WORKLOADS = 40
+NUM_LONG_WORKLOADS = 10
 CONFIGS_PER_WORKLOAD = 16
 FIRST_SEED = 40_000
 
@@ -33,6 +35,7 @@ class OrderCase:
     cost: object
     horizon_s: object
     ttft_slo_ms: np.ndarray
+    rate_limited: np.ndarray
 
     def describe(self) -> str:
         w = self.workload
@@ -66,9 +69,19 @@ def draw_prefixes(rng: np.random.Generator, workload: Workload) -> Workload:
     return dataclasses.replace(workload, hash_offsets=offsets, hash_ids=ids, hash_block_tokens=unit)
 
 
-def draw_group(seed: int) -> list[OrderCase]:
+def draw_long_workload(rng: np.random.Generator, pieces: int = 5) -> Workload:
+    """Several small workloads one after another: a queue long enough that the pool keeps admitted
+    entries between compactions."""
+    parts = [draw_workload(rng) for _ in range(pieces)]
+    offsets = np.cumsum([0.0] + [float(p.arrival_s[-1] - p.arrival_s[0]) + 0.01 for p in parts[:-1]])
+    arrivals = np.concatenate([p.arrival_s - p.arrival_s[0] + parts[0].arrival_s[0] + o for p, o in zip(parts, offsets)])
+    return Workload.from_lists(arrivals, np.concatenate([p.prompt_tokens for p in parts]),
+                               np.concatenate([p.output_tokens for p in parts]))
+
+
+def draw_group(seed: int, long: bool = False) -> list[OrderCase]:
     rng = np.random.default_rng(seed)
-    base = draw_workload(rng)
+    base = draw_long_workload(rng) if long else draw_workload(rng)
     n = base.num_requests
     num_tenants = int(rng.integers(1, 4))
     workload = dataclasses.replace(
@@ -82,27 +95,32 @@ def draw_group(seed: int) -> list[OrderCase]:
     if rng.random() < 0.3:
         horizon_s = float(rng.uniform(workload.arrival_s[0], workload.arrival_s[-1] + 3.0))
     noise = float(rng.choice([0.0, 0.5]))
+    # Some groups have tenants' rate limits refusing arrivals before the engine sees them.
+    limited = (rng.random(n) < 0.2) & (rng.random() < 0.3)
     cases = []
     for i in range(CONFIGS_PER_WORKLOAD):
         order = ORDERS[int(rng.integers(len(ORDERS)))]
         scheduler = dataclasses.replace(
             draw_scheduler(rng, workload), queue_order=order, length_prediction_noise=noise,
             priority_weights=draw_weights(rng) if order == "weighted" else None, enable_prefix_caching=caching)
-        cases.append(OrderCase(seed, i, workload, scheduler, draw_cost(rng), horizon_s, ttft_slo_ms))
+        cases.append(OrderCase(seed, i, workload, scheduler, draw_cost(rng), horizon_s, ttft_slo_ms, limited))
     return cases
 
 
 @pytest.fixture(scope="module")
 def results():
     out = []
-    for seed in range(FIRST_SEED, FIRST_SEED + NUM_WORKLOADS):
-        cases = draw_group(seed)
+    # Mostly 12-request workloads; some of 60, whose pools outlive admissions between compactions.
+    groups = [draw_group(seed) for seed in range(FIRST_SEED, FIRST_SEED + NUM_WORKLOADS)]
+    groups += [draw_group(seed, long=True) for seed in range(FIRST_SEED, FIRST_SEED + NUM_LONG_WORKLOADS)]
+    for cases in groups:
         first = cases[0]
         engine = simulate_many(first.workload, [c.scheduler for c in cases], step_time_s, [c.cost for c in cases],
-                               horizon_s=first.horizon_s, ttft_slo_ms=first.ttft_slo_ms)
+                               horizon_s=first.horizon_s, ttft_slo_ms=first.ttft_slo_ms,
+                               rate_limited=first.rate_limited)
         for case, got in zip(cases, engine):
             ref = simulate_reference(case.workload, case.scheduler, step_time_s, case.cost, case.horizon_s,
-                                     case.ttft_slo_ms)
+                                     case.ttft_slo_ms, case.rate_limited)
             out.append((case, ref, got))
     return out
 
@@ -115,7 +133,9 @@ def test_draws_cover_preemption_and_cache_hits(results):
     """The draws exercise preemption among scored running sets, and prefix-cache hits."""
     preempted = sum(bool(ref.requests.preemptions.sum()) for _, ref, _ in results)
     hits = sum(ref.totals.prefix_hit_units > 0 for _, ref, _ in results)
+    limited = sum(bool(np.any(ref.requests.reject_reason == REJECT_TENANT_RATE)) for _, ref, _ in results)
     assert preempted >= len(results) // 20
+    assert limited >= len(results) // 20
     assert hits >= len(results) // 5
     assert all(ref.totals.prefix_hit_units == got.totals.prefix_hit_units for _, ref, got in results)
 

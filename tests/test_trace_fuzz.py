@@ -14,6 +14,7 @@ from typing import Callable, Optional, Union
 import numpy as np
 import pytest
 
+from test_traces import assert_one_line_trace_error
 from servetune.envs.traces import TRACE_PARSERS, load_trace
 from servetune.errors import TraceError
 
@@ -146,13 +147,7 @@ def test_broken_trace_raises_one_line_trace_error(tmp_path, format, case, conten
         path.write_bytes(content)
     else:
         path.write_text(content, newline="")
-    with pytest.raises(TraceError) as raised:
-        load_trace(path, format)
-    message = str(raised.value)
-    assert "\n" not in message
-    assert message.startswith(f"{path}: ")
-    for fragment in fragments:
-        assert fragment in message, (fragment, message)
+    assert_one_line_trace_error(path, format, fragments)
 
 
 @pytest.mark.parametrize("format", FORMATS)

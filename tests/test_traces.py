@@ -148,13 +148,18 @@ BROKEN_TRACES = [
 def test_broken_trace_raises_one_line_trace_error_naming_file_row_and_field(tmp_path, case, format, text, fragments):
     path = tmp_path / f"{case}.csv"
     path.write_text(text, newline="")
+    assert_one_line_trace_error(path, format, fragments)
+
+
+def assert_one_line_trace_error(path: Path, format: str, fragments) -> None:
+    """Loading `path` raises a TraceError of one line that starts with the path and has every fragment."""
     with pytest.raises(TraceError) as raised:
         load_trace(path, format)
     message = str(raised.value)
     assert "\n" not in message
     assert message.startswith(f"{path}: ")
     for fragment in fragments:
-        assert fragment in message
+        assert fragment in message, (fragment, message)
 
 
 def test_file_that_is_not_utf8_text_raises_trace_error(tmp_path):
