@@ -84,15 +84,13 @@ def run_duration(workload: Workload, outcome: SimulationOutcome) -> float:
     return max(outcome.totals.end_s - start, 0.0)
 
 
-def compute_metrics(workload: Workload, outcome: SimulationOutcome, slo: SloConfig | RequestSlos,
-                    num_kv_blocks: int) -> dict:
-    """The run's metrics; ``slo`` is per request (``per_request_slos``) or one ``SloConfig`` for all."""
+def compute_metrics(workload: Workload, outcome: SimulationOutcome, slos: RequestSlos, num_kv_blocks: int) -> dict:
+    """The run's metrics, each request judged by its own SLOs (``per_request_slos``, or ``uniform_slos``)."""
     req, totals = outcome.requests, outcome.totals
     completed = req.status == COMPLETED
     arrived = req.status != NOT_ARRIVED
     num_arrived = int(arrived.sum())
     duration = run_duration(workload, outcome)
-    slos = uniform_slos(slo, workload.num_requests) if isinstance(slo, SloConfig) else slo
     rate = (lambda count: count / duration) if duration > 0 else (lambda count: None)
 
     ttft = (req.first_token_s - workload.arrival_s)[completed]

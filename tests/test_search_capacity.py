@@ -8,7 +8,7 @@ import pytest
 
 from servetune.config_loader import config_from_dict
 from servetune.cost_models.factory import build_cost_model
-from servetune.envs.metrics import compute_metrics
+from servetune.envs.metrics import compute_metrics, uniform_slos
 from servetune.envs.simulator import simulate_workload
 from servetune.envs.workload import build_workload
 from servetune.errors import UserError
@@ -40,7 +40,8 @@ def _attainment(config, rate: float) -> float:
     workload = build_workload(config.workload)
     cost_fn, cost_params = build_cost_model(config)
     outcome = simulate_workload(workload, config.scheduler, cost_fn, cost_params)
-    return compute_metrics(workload, outcome, config.slo, config.scheduler.num_kv_blocks)["slo_attainment"]
+    slos = uniform_slos(config.slo, workload.num_requests)
+    return compute_metrics(workload, outcome, slos, config.scheduler.num_kv_blocks)["slo_attainment"]
 
 
 def test_bisection_matches_a_brute_force_scan_within_its_tolerance():

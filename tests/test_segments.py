@@ -135,7 +135,7 @@ def test_segments_of_a_hand_built_run():
 
 def test_the_whole_run_of_the_hand_built_outcome():
     workload, outcome = _hand_built()
-    metrics = compute_metrics(workload, outcome, SLO, num_kv_blocks=100)
+    metrics = compute_metrics(workload, outcome, uniform_slos(SLO, workload.num_requests), num_kv_blocks=100)
     assert metrics["good"] == 2 and metrics["arrived"] == 6 and metrics["clipped_requests"] == 1
     assert metrics["request_goodput"] == pytest.approx(2 / END_S)
     assert metrics["slo_attainment"] == pytest.approx(2 / 6)
@@ -186,7 +186,7 @@ def test_each_request_is_judged_by_its_tenants_class_slo():
     # batch's 110 ms meets its own 200 ms but would miss chat's (and the config's) 50 ms.
     metrics = compute_metrics(workload, outcome, slos, num_kv_blocks=1000)
     assert metrics["good"] == 2 and metrics["slo_attainment"] == 1.0
-    assert compute_metrics(workload, outcome, config.slo, num_kv_blocks=1000)["good"] == 1
+    assert compute_metrics(workload, outcome, uniform_slos(config.slo, workload.num_requests), 1000)["good"] == 1
 
     tenant = segment_metrics(workload, outcome, slos)["tenant"]
     assert tenant["batch"]["slo_attainment"] == 1.0 and tenant["batch"]["ttft_slo_ms"] == 200.0
@@ -212,7 +212,7 @@ def test_without_class_slos_per_request_and_config_slos_agree():
     config = config_from_dict({"slo": {"ttft_ms": 50}})
     workload, outcome = _two_tenant_run()
     assert (compute_metrics(workload, outcome, per_request_slos(config, workload), 1000)
-            == compute_metrics(workload, outcome, config.slo, 1000))
+            == compute_metrics(workload, outcome, uniform_slos(config.slo, workload.num_requests), 1000))
 
 
 @pytest.fixture(scope="module")
