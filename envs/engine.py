@@ -25,11 +25,12 @@ differences, which are accurate.
 """
 from __future__ import annotations
 
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+from jax.custom_batching import custom_vmap
 
 from servetune.envs.outcome import ITL_HIST_BINS, ITL_HIST_MIN_S, ITL_LOG_BIN_WIDTH
 from servetune.envs.queue_order import DECODE_TOKEN_WEIGHT, FEATURES, PREFILL_TOKEN_WEIGHT
@@ -361,8 +362,8 @@ def _queue_front(trace: Trace, params: EngineParams, state: EngineState, arrived
 
 def _lift_rejoining_tenants(state: EngineState) -> EngineState:
     """VTC's rule at a step boundary where seats are open: a tenant back in the system after none of its
-    requests were at the last such boundary has its counter lifted to the lowest among tenants that stayed (when none stayed, to
-    the highest of all), so time away earns it no credit."""
+    requests were at the last such boundary has its counter lifted to the lowest among tenants that stayed
+    (when none stayed, to the highest of all), so time away earns it no credit."""
     active = state.tenant_in_system > 0
     stayed = active & state.tenant_active
     floor = jnp.where(jnp.any(stayed), jnp.min(jnp.where(stayed, state.tenant_tokens, NO_LIMIT)),
@@ -996,6 +997,42 @@ def run_from(trace: Trace, params: EngineParams, state: EngineState, cost_fn: Ca
     )
 
 
+@lru_cache(maxsize=None)
+def interval_runner(cost_fn: Callable, num_slots: int, queue_shape: Optional[QueueShape] = None) -> Callable:
+    """``run_from`` as a function of (trace, params, state) that batches well: under ``vmap`` (a vector of
+    controlled runs) the loop runs while any run is live and only its body is vmapped, as in
+    ``run_batched``, instead of JAX selecting every run's whole carry on every iteration. An ended run's
+    iteration writes nothing, so each run ends exactly where its own ``run_from`` would."""
+
+    @custom_vmap
+    def run(trace, params, state):
+        return run_from(trace, params, state, cost_fn, num_slots, queue_shape)
+
+    @run.def_vmap
+    def run_vmapped(axis_size, in_batched, trace, params, state):
+        def batched(tree, flags):
+            return jax.tree_util.tree_map(
+                lambda x, flag: x if flag else jnp.broadcast_to(x, (axis_size,) + jnp.shape(x)), tree, flags)
+
+        trace, params, state = (batched(tree, flags) for tree, flags in zip((trace, params, state), in_batched))
+        state = replace(state, ended=jnp.zeros_like(state.ended))
+        out = _while_any_live(lambda p, one, t: _iteration(t, p, one, cost_fn, num_slots, queue_shape is not None),
+                              params, state, trace)
+        return out, jax.tree_util.tree_map(lambda _: True, out)
+
+    return run
+
+
+def _while_any_live(iteration: Callable, params, state, trace=None):
+    """Iterate a batch of runs (leading axis on params and state; on trace too when given) while any is live."""
+    trace_axis = None if trace is None else 0
+    return jax.lax.while_loop(
+        lambda s: jnp.any(jax.vmap(_live)(s, params)),
+        lambda s: jax.vmap(iteration, in_axes=(0, 0, trace_axis))(params, s, trace),
+        state,
+    )
+
+
 def flush_running(state: EngineState) -> EngineState:
     """The request table as if the run stopped now: running requests keep what they emitted."""
     return _flush_running(state)
@@ -1011,11 +1048,7 @@ def run_batched(trace: Trace, params: EngineParams, cost_fn: Callable, num_slots
     """
     state = jax.vmap(lambda p: init_state(trace, p, num_slots, queue_shape))(params)
     scored = queue_shape is not None
-    state = jax.lax.while_loop(
-        lambda s: jnp.any(jax.vmap(_live)(s, params)),
-        lambda s: jax.vmap(lambda p, one: _iteration(trace, p, one, cost_fn, num_slots, scored))(params, s),
-        state,
-    )
+    state = _while_any_live(lambda p, one, _: _iteration(trace, p, one, cost_fn, num_slots, scored), params, state)
     return jax.vmap(_flush_running)(state)
 
 

@@ -7,8 +7,9 @@ Every order except ``fcfs`` ranks the waiting requests by
 evaluated at each step boundary, over the features below. The two that move with the clock, waiting
 time and deadline slack, move together for every request (+1 and -1 per second), so they are taken at one
 fixed instant -- the trace's first arrival: that orders the queue exactly as their values at the boundary
-would, and keeps a running request's admitted score comparable with later ones. Features are float32. The named orders are points of that space, and
-``weighted`` takes the weights from ``scheduler.priority_weights``. The weights are traced values in the
+would, and keeps a running request's admitted score comparable with later ones. Features are float32.
+The named orders are points of that space, and ``weighted`` takes the weights from
+``scheduler.priority_weights``. The weights are traced values in the
 engine, so a search can move through the space without recompiling. ``fcfs`` keeps vLLM's queue exactly
 (preempted requests go back to the front), which no score reproduces.
 

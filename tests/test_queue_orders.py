@@ -74,7 +74,8 @@ def draw_long_workload(rng: np.random.Generator, pieces: int = 5) -> Workload:
     entries between compactions."""
     parts = [draw_workload(rng) for _ in range(pieces)]
     offsets = np.cumsum([0.0] + [float(p.arrival_s[-1] - p.arrival_s[0]) + 0.01 for p in parts[:-1]])
-    arrivals = np.concatenate([p.arrival_s - p.arrival_s[0] + parts[0].arrival_s[0] + o for p, o in zip(parts, offsets)])
+    start = parts[0].arrival_s[0]
+    arrivals = np.concatenate([p.arrival_s - p.arrival_s[0] + start + o for p, o in zip(parts, offsets)])
     return Workload.from_lists(arrivals, np.concatenate([p.prompt_tokens for p in parts]),
                                np.concatenate([p.output_tokens for p in parts]))
 
