@@ -1,0 +1,18 @@
+"""servetune: simulate an LLM server's batch scheduler and tune it.
+
+Importing the package registers its Gymnasium environments (envs/gym_envs.py): ``servetune/ServeTune-v0`` (one
+decision per episode) and ``servetune/ServeControl-v0`` (a decision every control interval), each with a
+vectorised ``vector_entry_point``. Entry points are strings, so registering imports neither JAX nor the envs.
+"""
+import gymnasium
+
+_ENVS = {
+    "servetune/ServeTune-v0": ("ServeTuneEnv", "ServeTuneVectorEnv"),
+    "servetune/ServeControl-v0": ("ServeControlEnv", "ServeControlVectorEnv"),
+}
+
+for _id, (_single, _vector) in _ENVS.items():
+    # Re-importing (importlib.reload) must not register twice: Gymnasium warns on an overridden id.
+    if _id not in gymnasium.registry:
+        gymnasium.register(id=_id, entry_point=f"servetune.envs.gym_envs:{_single}",
+                           vector_entry_point=f"servetune.envs.gym_envs:{_vector}")
