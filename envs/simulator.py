@@ -86,11 +86,17 @@ INITIAL_POOL = 256
 POOL_GROWTH = 4
 
 
-def prefix_cache_hits(workload: Workload, scheduler: SchedulerConfig) -> Optional[PrefixHits]:
-    """The prefix cache's hits under this config's KV capacity; None when caching is off."""
+def prefix_cache_hits(workload: Workload, scheduler: SchedulerConfig,
+                      replayed: Optional[dict] = None) -> Optional[PrefixHits]:
+    """The prefix cache's hits under this config's KV capacity; None when caching is off. Configs that
+    share a capacity share the replay (a host loop over every block): pass one `replayed` dict for them."""
     if not scheduler.enable_prefix_caching:
         return None
-    return prefix_hits(workload, capacity_units(workload, scheduler.num_kv_blocks, scheduler.block_size))
+    capacity = capacity_units(workload, scheduler.num_kv_blocks, scheduler.block_size)
+    replayed = {} if replayed is None else replayed
+    if capacity not in replayed:
+        replayed[capacity] = prefix_hits(workload, capacity)
+    return replayed[capacity]
 
 
 def _with_hits(outcome: SimulationOutcome, hits: Optional[PrefixHits]) -> SimulationOutcome:
@@ -269,7 +275,8 @@ def simulate_many(workload: Workload, schedulers: Sequence[SchedulerConfig], cos
     """
     if len(schedulers) != len(cost_params):
         raise ValueError("simulate_many needs one cost-parameter set per scheduler config")
-    hits = [prefix_cache_hits(workload, s) for s in schedulers]
+    replayed: dict = {}
+    hits = [prefix_cache_hits(workload, s, replayed) for s in schedulers]
     params = [_params(workload, s, c, horizon_s, h) for s, c, h in zip(schedulers, cost_params, hits)]
     groups: dict[tuple, list[int]] = {}
     for i, scheduler in enumerate(schedulers):
