@@ -17,11 +17,10 @@ from typing import Optional
 
 import numpy as np
 
-from servetune.config import SloConfig
 from servetune.envs.outcome import (
     COMPLETED, NOT_ARRIVED, REJECT_NAMES, REJECTED, STATUS_NAMES, UNFINISHED, SimulationOutcome, itl_bin_edges,
 )
-from servetune.envs.slos import SLO_FIELDS, RequestSlos
+from servetune.envs.slos import RequestSlos
 from servetune.envs.workload import Workload
 
 LATENCIES = ("ttft", "tpot", "itl", "e2el")
@@ -55,12 +54,6 @@ def histogram_percentile(counts: np.ndarray, edges: np.ndarray, q: float) -> Opt
     return float(lo * (hi / lo) ** np.clip(fraction, 0.0, 1.0))
 
 
-def uniform_slos(slo: SloConfig, num_requests: int) -> RequestSlos:
-    """The same SLOs for every request (+inf where ``slo`` sets none), as ``per_request_slos`` gives them."""
-    limits = {name: np.inf if getattr(slo, name) is None else float(getattr(slo, name)) for name in SLO_FIELDS}
-    return RequestSlos(**{name: np.full(num_requests, limit) for name, limit in limits.items()})
-
-
 def good_requests(workload: Workload, outcome: SimulationOutcome, slos: RequestSlos) -> np.ndarray:
     """Completed requests that meet each of their own SLOs (a one-token request has no TPOT or ITL to miss)."""
     req = outcome.requests
@@ -85,7 +78,7 @@ def run_duration(workload: Workload, outcome: SimulationOutcome) -> float:
 
 
 def compute_metrics(workload: Workload, outcome: SimulationOutcome, slos: RequestSlos, num_kv_blocks: int) -> dict:
-    """The run's metrics, each request judged by its own SLOs (``per_request_slos``, or ``uniform_slos``)."""
+    """The run's metrics, each request judged by its own SLOs (``per_request_slos``)."""
     req, totals = outcome.requests, outcome.totals
     completed = req.status == COMPLETED
     arrived = req.status != NOT_ARRIVED

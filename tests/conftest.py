@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
-from servetune.config import SchedulerConfig
+from servetune.config import SchedulerConfig, SloConfig
 from servetune.cost_models.linear import LinearCostParams
+from servetune.envs.slos import SLO_FIELDS, RequestSlos
 
 
 def scheduler_config(**overrides) -> SchedulerConfig:
@@ -17,6 +19,12 @@ def scheduler_config(**overrides) -> SchedulerConfig:
 def linear(base: float, per_token: float = 0.0, per_ctx: float = 0.0) -> LinearCostParams:
     """Linear cost-model parameters as Python floats, so step times are exact float64 arithmetic."""
     return LinearCostParams(base_s=float(base), per_token_s=float(per_token), per_context_token_s=float(per_ctx))
+
+
+def uniform_slos(slo: SloConfig, num_requests: int) -> RequestSlos:
+    """The same SLOs for every request (+inf where ``slo`` sets none), as ``per_request_slos`` gives them."""
+    limits = {name: np.inf if getattr(slo, name) is None else float(getattr(slo, name)) for name in SLO_FIELDS}
+    return RequestSlos(**{name: np.full(num_requests, limit) for name, limit in limits.items()})
 
 
 @pytest.fixture(params=["reference", "jax"])

@@ -6,9 +6,10 @@ import dataclasses
 import numpy as np
 import pytest
 
+from conftest import uniform_slos
 from servetune.config_loader import config_from_dict
 from servetune.cost_models.factory import build_cost_model
-from servetune.envs.metrics import compute_metrics, uniform_slos
+from servetune.envs.metrics import compute_metrics
 from servetune.envs.simulator import simulate_workload
 from servetune.envs.workload import build_workload
 from servetune.errors import UserError

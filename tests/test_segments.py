@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from conftest import linear, scheduler_config
+from conftest import linear, scheduler_config, uniform_slos
 from servetune.cli import _print_report, main
 from servetune.config import SloConfig, TenantConfig
 from servetune.config_loader import config_from_dict
 from servetune.cost_models.linear import step_time_s
-from servetune.envs.metrics import compute_metrics, readable_window_s, segment_metrics, uniform_slos
+from servetune.envs.metrics import compute_metrics, readable_window_s, segment_metrics
 from servetune.envs.outcome import (
     COMPLETED, NOT_ARRIVED, REJECT_KV_CAPACITY, REJECT_NONE, REJECTED, UNFINISHED, EngineTotals, RequestOutcomes,
     ITL_HIST_BINS, SimulationOutcome,
