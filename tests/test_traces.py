@@ -39,12 +39,15 @@ def test_shipped_conv_trace_matches_the_published_statistics(conv):
     assert conv.num_requests / duration_s == pytest.approx(5.5, abs=0.05)
     gaps = np.diff(conv.arrival_s)
     assert gaps.std() / gaps.mean() == pytest.approx(1.1, abs=0.05)
-    assert conv.prompt_tokens.mean() == pytest.approx(1155, abs=0.5)
-    assert np.percentile(conv.prompt_tokens, 50) == 1020
-    assert np.percentile(conv.prompt_tokens, 99) == pytest.approx(4142, abs=1)
-    assert conv.output_tokens.mean() == pytest.approx(211, abs=0.5)
-    assert np.percentile(conv.output_tokens, 50) == 129
-    assert np.percentile(conv.output_tokens, 99) == pytest.approx(601, abs=1)
+    assert_length_statistics(conv.prompt_tokens, mean=1155, p50=1020, p99=4142)
+    assert_length_statistics(conv.output_tokens, mean=211, p50=129, p99=601)
+
+
+def assert_length_statistics(tokens: np.ndarray, mean: float, p50: float, p99: float) -> None:
+    """Token counts against published figures: the mean and p99 as rounded (to 0.5 and 1), the median exact."""
+    assert tokens.mean() == pytest.approx(mean, abs=0.5)
+    assert np.percentile(tokens, 50) == p50
+    assert np.percentile(tokens, 99) == pytest.approx(p99, abs=1)
 
 
 def test_shipped_conv_trace_has_a_header_and_one_line_per_request_without_a_final_newline():
@@ -228,12 +231,8 @@ def test_azure_code_trace_matches_the_published_statistics():
     assert code.num_requests / duration_s == pytest.approx(2.6, abs=0.05)
     assert _gap_cv(code.arrival_s) == pytest.approx(13, abs=0.5)
     assert np.diff(code.arrival_s).max() == pytest.approx(217, abs=0.5)
-    assert code.prompt_tokens.mean() == pytest.approx(2048, abs=0.5)
-    assert np.percentile(code.prompt_tokens, 50) == 1469
-    assert np.percentile(code.prompt_tokens, 99) == pytest.approx(7436, abs=1)
-    assert code.output_tokens.mean() == pytest.approx(28, abs=0.5)
-    assert np.percentile(code.output_tokens, 50) == 13
-    assert np.percentile(code.output_tokens, 99) == pytest.approx(251, abs=1)
+    assert_length_statistics(code.prompt_tokens, mean=2048, p50=1469, p99=7436)
+    assert_length_statistics(code.output_tokens, mean=28, p50=13, p99=251)
 
 
 @needs_shared_data
@@ -243,9 +242,7 @@ def test_mooncake_conversation_trace_matches_the_published_statistics():
     conversation = load_trace(SHARED / "traces" / "mooncake" / "conversation_trace.jsonl", "mooncake")
     assert conversation.num_requests == 12_031
     assert 55 * 60 < conversation.arrival_s[-1] <= 60 * 60
-    assert conversation.prompt_tokens.mean() == pytest.approx(12_035, abs=0.5)
-    assert np.percentile(conversation.prompt_tokens, 50) == 6_909
-    assert np.percentile(conversation.prompt_tokens, 99) == pytest.approx(85_400, abs=1)
+    assert_length_statistics(conversation.prompt_tokens, mean=12_035, p50=6_909, p99=85_400)
     assert conversation.output_tokens.mean() == pytest.approx(343, abs=0.5)
     distinct_gaps = np.diff(np.unique(conversation.arrival_s))
     assert np.all(np.abs(distinct_gaps - 3.0) < 0.005)
