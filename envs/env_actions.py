@@ -31,13 +31,13 @@ from typing import Any, Mapping, Optional
 import jax.numpy as jnp
 import numpy as np
 
+from servetune.config import STEERABLE_KNOBS as INT_KNOBS
 from servetune.config import Config
 from servetune.envs import engine
 from servetune.envs.queue_order import FEATURES, order_weights
 from servetune.pytree import pytree_dataclass
 from servetune.search.baselines import vllm_default_knobs
 
-INT_KNOBS = ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold", "max_num_queued_reqs")
 DEFAULT_BOUNDS = {
     "max_num_seqs": (1, 256),
     "max_num_batched_tokens": (256, 16384),

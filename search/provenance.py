@@ -37,6 +37,8 @@ def config_hash(config: Config) -> str:
     data = config_data(config)
     for name in RUN_CONTROL_FIELDS:
         data["search"].pop(name)
+    # How to train an RL policy on the config changes nothing a study measures.
+    data.pop("rl")
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 

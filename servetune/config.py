@@ -134,6 +134,40 @@ class SearchConfig:
     baselines: bool = True           # enqueue vLLM's default and well-known settings as the first trials
 
 
+# The integer scheduler knobs the environments' action sets, in action order (envs/env_actions.py).
+STEERABLE_KNOBS = ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold", "max_num_queued_reqs")
+
+
+@dataclass(frozen=True)
+class RlConfig:
+    """What ``servetune train-rl`` trains on and how; the command line overrides timesteps, num_envs and seed.
+
+    The first five fields are ServeControl-v0's options (envs/gym_envs.py), so that a trained policy and the
+    environment it is evaluated in see the same world; the rest are PPO's (search/ppo.py).
+    """
+    interval_s: float = 1.0          # simulated seconds between decisions
+    episode_s: Optional[float] = None  # null: simulation.horizon_s (with neither, until every request is served)
+    num_workloads: int = 8           # workload variants trained on: seeds seed, seed + 1, ... (or trace windows)
+    miss_penalty: float = 1.0        # reward = good - miss_penalty * (late + rejected), per interval
+    bounds: Any = None               # {max_num_seqs: [1, 64], ...}: the action's knob ranges (envs/env_actions.py)
+    timesteps: int = 2_000_000       # environment steps (control intervals) in all
+    num_envs: int = 256              # environments stepped together (vmapped)
+    num_steps: int = 64              # steps per environment per update (the rollout)
+    update_epochs: int = 4
+    num_minibatches: int = 8
+    learning_rate: float = 3e-4
+    anneal_lr: bool = True           # linearly to 0 over the run
+    gamma: float = 0.99
+    gae_lambda: float = 0.95
+    clip_eps: float = 0.2
+    ent_coef: float = 0.0
+    vf_coef: float = 0.5
+    max_grad_norm: float = 0.5
+    hidden: Any = (64, 64)           # widths of the actor's and the critic's hidden layers
+    seed: int = 0                    # network initialisation and action sampling
+    checkpoint_every: int = 10       # updates between checkpoints
+
+
 @dataclass(frozen=True)
 class Config:
     model: str = "llama-2-7b"
@@ -144,6 +178,7 @@ class Config:
     slo: SloConfig = field(default_factory=SloConfig)
     simulation: SimulationConfig = field(default_factory=SimulationConfig)
     search: SearchConfig = field(default_factory=SearchConfig)
+    rl: RlConfig = field(default_factory=RlConfig)
     source: Optional[str] = field(default=None, compare=False)  # file the config came from, for messages
 
     def to_dict(self) -> dict:

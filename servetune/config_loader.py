@@ -24,7 +24,8 @@ from typing import Any, Callable, Optional, Sequence, Union
 import yaml
 
 from servetune.config import (
-    Config, KnobConfig, LengthsConfig, SchedulerConfig, SearchConfig, SloConfig, TenantConfig, WorkloadConfig,
+    STEERABLE_KNOBS, Config, KnobConfig, LengthsConfig, RlConfig, SchedulerConfig, SearchConfig, SloConfig,
+    TenantConfig, WorkloadConfig,
 )
 from servetune.envs.lengths import MAX_TOKEN_COUNT, LognormalSpec
 from servetune.envs.queue_order import FEATURES
@@ -109,6 +110,24 @@ FIELD_RANGES: dict[str, Range] = {
     "search.trials": AT_LEAST_ONE,
     "search.batch_size": AT_LEAST_ONE,
     "search.seed": NON_NEGATIVE,
+    "rl.interval_s": POSITIVE,
+    "rl.episode_s": POSITIVE,
+    "rl.num_workloads": AT_LEAST_ONE,
+    "rl.miss_penalty": NON_NEGATIVE,
+    "rl.timesteps": AT_LEAST_ONE,
+    "rl.num_envs": AT_LEAST_ONE,
+    "rl.num_steps": AT_LEAST_ONE,
+    "rl.update_epochs": AT_LEAST_ONE,
+    "rl.num_minibatches": AT_LEAST_ONE,
+    "rl.learning_rate": POSITIVE,
+    "rl.gamma": Range(low=0, high=1),
+    "rl.gae_lambda": Range(low=0, high=1),
+    "rl.clip_eps": POSITIVE,
+    "rl.ent_coef": NON_NEGATIVE,
+    "rl.vf_coef": NON_NEGATIVE,
+    "rl.max_grad_norm": POSITIVE,
+    "rl.seed": NON_NEGATIVE,
+    "rl.checkpoint_every": AT_LEAST_ONE,
 }
 
 FIELD_CHOICES: dict[str, tuple[str, ...]] = {
@@ -613,7 +632,8 @@ def _check_cross_field(config: Config, report: _Reporter, base_dir: Path) -> Con
         raise report.bad_value("cost_model.profile", None, "a fitted profile for the calibrated cost model")
     config = dataclasses.replace(config, scheduler=_check_queue_order(scheduler, report))
     config = dataclasses.replace(config, workload=_check_workload(config.workload, report, base_dir))
-    return dataclasses.replace(config, search=_check_search(config, report, base_dir))
+    config = dataclasses.replace(config, search=_check_search(config, report, base_dir))
+    return dataclasses.replace(config, rl=_check_rl(config.rl, report))
 
 
 WEIGHTS_KEY = "scheduler.priority_weights"
@@ -798,6 +818,34 @@ def _build_config(data: Any, source: str, base_dir: Path, report: _Reporter) -> 
         data = _trace_defaults(data)
     config = _check_cross_field(_build_section(Config, data, "", report), report, base_dir)
     return dataclasses.replace(config, source=source)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The rl section: the action's knob bounds and the network's widths.
+
+def _check_rl(rl: RlConfig, report: _Reporter) -> RlConfig:
+    """``bounds`` becomes (knob, (low, high)) pairs in STEERABLE_KNOBS order and ``hidden`` a tuple of ints."""
+    bounds = rl.bounds
+    if bounds is not None:
+        if isinstance(bounds, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in bounds):
+            bounds = dict(bounds)   # the pairs of an already checked config, e.g. from JSON
+        if not isinstance(bounds, dict) or not bounds:
+            raise report.bad_value("rl.bounds", rl.bounds, "a mapping of knob to [low, high], such as "
+                                                           "{max_num_seqs: [1, 64]}")
+        for name, pair in bounds.items():
+            if name not in STEERABLE_KNOBS:
+                raise report.error(*_unknown_key(str(name), list(STEERABLE_KNOBS), "rl.bounds"))
+            if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(_has_type(v, int) for v in pair)
+                    and 1 <= pair[0] < pair[1]):
+                raise report.bad_value(f"rl.bounds.{name}", pair, "[low, high], integers with 1 ≤ low < high")
+        bounds = tuple((name, (bounds[name][0], bounds[name][1])) for name in STEERABLE_KNOBS if name in bounds)
+    hidden = rl.hidden
+    if not (isinstance(hidden, (list, tuple)) and hidden and all(_has_type(w, int) and w >= 1 for w in hidden)):
+        raise report.bad_value("rl.hidden", hidden, "a non-empty list of layer widths, integers ≥ 1, such as [64, 64]")
+    if rl.num_envs * rl.num_steps % rl.num_minibatches:
+        raise report.bad_value("rl.num_minibatches", rl.num_minibatches,
+                               f"a divisor of num_envs × num_steps = {rl.num_envs * rl.num_steps}")
+    return dataclasses.replace(rl, bounds=bounds, hidden=tuple(hidden))
 
 
 # ---------------------------------------------------------------------------------------------------------
