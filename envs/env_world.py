@@ -136,7 +136,7 @@ def load_env_config(config: Union[str, Path, Mapping, Config], overrides: Sequen
     raise TypeError(f"config: got {type(config).__name__}, expected a YAML path, a mapping or a servetune Config")
 
 
-def _variant_config(config: Config, index: int) -> Config:
+def variant_config(config: Config, index: int) -> Config:
     """The i-th workload of the bank: the next trace window, or the next seed."""
     workload = config.workload
     arrivals = workload.arrivals
@@ -207,7 +207,7 @@ def build_world(config: Union[str, Path, Mapping, Config], *, overrides: Sequenc
     scheduler = config.scheduler
     workloads, counts, slos, hits, traces = [], [], [], [], []
     for index in range(num_workloads):
-        workload = build_workload(_variant_config(config, index).workload)
+        workload = build_workload(variant_config(config, index).workload)
         request_slos = per_request_slos(config, workload)
         count = (workload.num_requests if episode_s is None
                  else int(np.searchsorted(workload.arrival_s, episode_s, side="left")))
@@ -259,7 +259,7 @@ def build_world(config: Union[str, Path, Mapping, Config], *, overrides: Sequenc
         more_after_window=jnp.asarray([c < w.num_requests for c, w in zip(counts, workloads)]),
         ttft_max_s=limit("ttft_ms"), itl_max_s=limit("itl_ms"), tpot_max_s=limit("tpot_ms"),
         e2el_max_s=limit("e2el_ms"),
-        day_offset_s=jnp.asarray([_variant_config(config, k).workload.arrivals.window_start_s
+        day_offset_s=jnp.asarray([variant_config(config, k).workload.arrivals.window_start_s
                                   if config.workload.arrivals.kind == "trace" else 0.0
                                   for k in range(num_workloads)], jnp.float32),
         context=jnp.asarray(contexts, jnp.float32),

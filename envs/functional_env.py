@@ -357,3 +357,29 @@ def tune_step(key, state: TuneState, action, params: EnvParams):
     }
     new = TuneState(engine=after, variant=variant)
     return params.bank.context[variant], new, goodput, jnp.asarray(True), jnp.asarray(False), info
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Batches of envs
+# ---------------------------------------------------------------------------------------------------------
+def autoreset_step(step_fn, reset_fn, keys, states, actions, params):
+    """Step a batch of envs (leading axis of `keys`, `states`, `actions`); those whose episode ended restart at
+    once, from the next key of their chain (AutoresetMode.SAME_STEP): (first observations of the next step, states,
+    reward, terminated, truncated, info, the observations the step ended on, next keys). Shared by the vector
+    envs (envs/gym_envs.py) and the RL trainer (search/ppo.py)."""
+    obs, stepped, reward, terminated, truncated, info = jax.vmap(step_fn, (None, 0, 0, None))(
+        None, states, actions, params)
+    done = terminated | truncated
+    pairs = jax.vmap(jax.random.split)(keys)
+    next_keys = jnp.where(done[:, None], pairs[:, 0], keys)
+
+    def pick(new, old):
+        return jnp.where(done.reshape(done.shape + (1,) * (old.ndim - 1)), new, old)
+
+    def restart(current):
+        first_obs, fresh = jax.vmap(reset_fn, (0, None))(pairs[:, 1], params)
+        return pick(first_obs, current[0]), jax.tree_util.tree_map(pick, fresh, current[1])
+
+    # Outside the vmap this is a real branch: steps where no episode ended build no fresh states.
+    next_obs, states = jax.lax.cond(jnp.any(done), restart, lambda current: current, (obs, stepped))
+    return next_obs, states, reward, terminated, truncated, info, obs, next_keys

@@ -269,28 +269,8 @@ def _workload_index(workload, world: World) -> int:
 # ---------------------------------------------------------------------------------------------------------
 # Vector envs
 # ---------------------------------------------------------------------------------------------------------
-def _autoreset_step(step_fn, reset_fn, keys, states, actions, params):
-    """Step every env; those whose episode ended restart at once, from the next key of their chain."""
-    obs, stepped, reward, terminated, truncated, info = jax.vmap(step_fn, (None, 0, 0, None))(
-        None, states, actions, params)
-    done = terminated | truncated
-    pairs = jax.vmap(jax.random.split)(keys)
-    next_keys = jnp.where(done[:, None], pairs[:, 0], keys)
-
-    def pick(new, old):
-        return jnp.where(done.reshape(done.shape + (1,) * (old.ndim - 1)), new, old)
-
-    def restart(current):
-        first_obs, fresh = jax.vmap(reset_fn, (0, None))(pairs[:, 1], params)
-        return pick(first_obs, current[0]), jax.tree_util.tree_map(pick, fresh, current[1])
-
-    # Outside the vmap this is a real branch: steps where no episode ended build no fresh states.
-    next_obs, states = jax.lax.cond(jnp.any(done), restart, lambda current: current, (obs, stepped))
-    return next_obs, states, reward, terminated, truncated, info, obs, next_keys
-
-
-_vector_control_step = jax.jit(partial(_autoreset_step, core.control_step, core.control_reset))
-_vector_tune_step = jax.jit(partial(_autoreset_step, core.tune_step, core.tune_reset))
+_vector_control_step = jax.jit(partial(core.autoreset_step, core.control_step, core.control_reset))
+_vector_tune_step = jax.jit(partial(core.autoreset_step, core.tune_step, core.tune_reset))
 _vector_control_reset = jax.jit(jax.vmap(core.control_reset, (0, None)))
 _vector_control_reset_to = jax.jit(jax.vmap(core.control_reset_to, (0, None)))
 _vector_tune_reset = jax.jit(jax.vmap(core.tune_reset, (0, None)))

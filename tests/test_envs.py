@@ -19,7 +19,7 @@ import servetune  # noqa: F401  (registers the ids)
 from servetune.envs import functional_env as core
 from servetune.envs.env_actions import decode
 from servetune.envs.env_baselines import BASELINES, reactive
-from servetune.envs.env_world import _variant_config
+from servetune.envs.env_world import variant_config
 from servetune.envs.gym_envs import knob_values
 from servetune.envs.metrics import histogram_percentile
 from servetune.envs.outcome import COMPLETED
@@ -147,7 +147,7 @@ def test_fixed_knobs_reproduce_simulate_and_rewards_sum_to_its_good_requests(cas
     env = gym.make(CONTROL, **options)
     world = env.unwrapped.world
     total, outcome, info = _episode_at_fixed_knobs(env, workload)
-    truth = simulate_config(_variant_config(world.config, workload))
+    truth = simulate_config(variant_config(world.config, workload))
 
     ours, theirs = outcome.requests, truth.outcome.requests
     np.testing.assert_array_equal(ours.status, theirs.status)
@@ -179,7 +179,7 @@ def test_tune_reward_is_simulates_goodput(overrides):
     obs, info = env.reset(options={"workload": 0})
     assert env.observation_space.contains(obs)
     _, reward, terminated, truncated, info = env.step(np.asarray(world.params.config_action))
-    run = simulate_config(_variant_config(world.config, 0)).metrics
+    run = simulate_config(variant_config(world.config, 0)).metrics
     assert (terminated, truncated) == (True, False)
     assert reward == pytest.approx(run["request_goodput"], rel=1e-5)
     assert info["good"] == run["good"] > 0
@@ -193,7 +193,7 @@ def test_observations_report_the_interval():
     world = env.unwrapped.world
     names = core.control_observation_names(world)
     env.reset(options={"workload": 0})
-    truth = simulate_config(_variant_config(world.config, 0))
+    truth = simulate_config(variant_config(world.config, 0))
     workload, first_token = truth.workload, truth.outcome.requests.first_token_s
     ttft_ratio = (first_token - workload.arrival_s) / (truth.config.slo.ttft_ms / 1e3)
     clock, checked = 0.0, 0
