@@ -1,0 +1,218 @@
+"""``servetune train-rl``: PPO (search/ppo.py) on ServeControl over a config's world, with a progress bar,
+checkpoints, a learning curve and, at the end, the policy file (search/policy_file.py).
+
+The environment is the one ``gymnasium.make("servetune/ServeControl-v0", config=...)`` builds with the
+config's ``rl`` options (interval, episode, workload variants, miss penalty, knob bounds), driven through its
+functional core (envs/functional_env.py) so that the whole rollout stays on the device.
+
+The output folder holds:
+
+- ``policy.safetensors``: the actor, its observation statistics and the config hash (search/policy_file.py);
+- ``checkpoint.safetensors``: the learner (networks, optimiser, normalisation statistics, key, update count),
+  every ``rl.checkpoint_every`` updates and at the end; ``--resume`` continues from it;
+- ``training.json``: per update the timesteps, mean episode return, goodput and SLO attainment of the
+  episodes that ended in it, the losses, and the speed (environment steps per second, compile time);
+- ``learning_curve.png``: return, goodput and attainment against timesteps.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+from servetune.config import Config
+from servetune.envs import functional_env as core
+from servetune.envs.env_actions import action_names
+from servetune.envs.env_world import World, build_world
+from servetune.errors import UserError
+from servetune.search.policy_file import write_policy
+from servetune.search.ppo import EnvSpec, TrainState, Trainer, make_train
+from servetune.search.provenance import config_data, config_hash
+
+POLICY_FILE, CHECKPOINT_FILE, HISTORY_FILE, CURVE_FILE = (
+    "policy.safetensors", "checkpoint.safetensors", "training.json", "learning_curve.png")
+# ServeControl's per-step info entries the logs total over an episode, and the one read at its last step.
+EPISODE_SUMS = ("good", "missed", "arrived", "completed", "rejected")
+EPISODE_LAST = ("time_s",)
+
+
+def control_world(config: Config, num_workloads: Optional[int] = None, bounds="rl") -> World:
+    """ServeControl's world under the config's rl options; ``bounds``: "rl" for rl.bounds, or a mapping."""
+    rl = config.rl
+    return build_world(config, interval_s=rl.interval_s, episode_s=rl.episode_s,
+                       num_workloads=num_workloads or rl.num_workloads, miss_penalty=rl.miss_penalty,
+                       bounds=dict(rl.bounds or ()) if bounds == "rl" else bounds)
+
+
+def env_spec(world: World) -> EnvSpec:
+    return EnvSpec(reset=core.control_reset, step=core.control_step, params=world.params,
+                   obs_size=len(core.control_observation_names(world)),
+                   action_size=len(action_names(world.params.bounds)),
+                   episode_sums=EPISODE_SUMS, episode_last=EPISODE_LAST)
+
+
+def policy_hash(config: Config) -> str:
+    """The config's hash (as studies record it) together with the environment options the policy saw."""
+    rl = config_data(config)["rl"]
+    environment = {key: rl[key] for key in ("interval_s", "episode_s", "num_workloads", "miss_penalty", "bounds")}
+    text = json.dumps({"config": config_hash(config), "environment": environment}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Checkpoints: the learner's leaves by their pytree paths.
+
+def _learner(state: TrainState) -> dict:
+    return {"network": state.network, "opt_state": state.opt_state, "obs_stats": state.obs_stats,
+            "return_stats": state.return_stats, "key": state.key, "update": state.update}
+
+
+def save_checkpoint(path: Path, state: TrainState) -> None:
+    leaves = jax.tree_util.tree_flatten_with_path(_learner(state))[0]
+    # np.array, not np.ascontiguousarray: that one makes 0-d leaves (counts, the update number) 1-d.
+    save_file({jax.tree_util.keystr(p): np.array(v, order="C") for p, v in leaves}, str(path))
+
+
+def load_checkpoint(path: Path, template: TrainState) -> TrainState:
+    """``template`` (a fresh ``trainer.init``) with the learner's leaves read from ``path``; its environments
+    start afresh (their states are not checkpointed: they are large and restart at a reset anyway)."""
+    saved = load_file(str(path))
+    paths, treedef = jax.tree_util.tree_flatten_with_path(_learner(template))
+    leaves = []
+    for p, leaf in paths:
+        name = jax.tree_util.keystr(p)
+        if name not in saved or saved[name].shape != np.shape(leaf):
+            raise UserError(f"{path}: checkpoint does not match this config's network and optimiser "
+                            f"({name} missing or of another shape); train afresh or use another --out")
+        leaves.append(jnp.asarray(saved[name], dtype=np.asarray(leaf).dtype))
+    return dataclasses.replace(template, **jax.tree_util.tree_unflatten(treedef, leaves))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Training
+
+@dataclass(frozen=True)
+class TrainingResult:
+    out: Path
+    history: list[dict]
+    compile_s: float
+    train_s: float
+    steps_per_s: float
+
+
+def _episode_figures(metrics: dict) -> dict:
+    """An update's logs: the mean over the episodes that ended in it (None when none did)."""
+    episodes = int(metrics["episodes"])
+    row = {"episodes": episodes, **{k: float(v) for k, v in metrics.items()
+                                    if not k.startswith("episode_") and k != "episodes"}}
+    if episodes:
+        good, arrived, clock = (float(metrics[f"episode_{n}"]) for n in ("good", "arrived", "time_s"))
+        row.update(episode_return=float(metrics["episode_return"]),
+                   goodput=good / clock if clock > 0 else 0.0,
+                   slo_attainment=good / arrived if arrived > 0 else None)
+    return row
+
+
+def write_curve(history: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [row for row in history if row["episodes"]]
+    steps = [row["timesteps"] for row in rows]
+    fig, axes = plt.subplots(3, 1, figsize=(7, 7), sharex=True)
+    for ax, key, label in zip(axes, ("episode_return", "goodput", "slo_attainment"),
+                              ("episode return", "goodput (req/s)", "SLO attainment")):
+        ax.plot(steps, [row.get(key) if row.get(key) is not None else np.nan for row in rows], lw=1.2)
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlabel("environment steps (control intervals)")
+    axes[0].set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def train_policy(config: Config, out: Path, resume: bool = False,
+                 on_update: Optional[Callable[[dict, int], None]] = None) -> TrainingResult:
+    """Train on ``config``'s world (its ``rl`` section) and write the output folder; ``on_update(row, total)``
+    after each update (for a progress bar)."""
+    rl = config.rl
+    world = control_world(config)
+    trainer: Trainer = make_train(env_spec(world), rl)
+    out.mkdir(parents=True, exist_ok=True)
+    state = trainer.init(jax.random.PRNGKey(rl.seed))
+    history: list[dict] = []
+    if resume:
+        checkpoint = out / CHECKPOINT_FILE
+        if not checkpoint.is_file():
+            raise UserError(f"--resume: {checkpoint} does not exist; train without --resume first")
+        state = load_checkpoint(checkpoint, state)
+        if (out / HISTORY_FILE).is_file():
+            history = json.loads((out / HISTORY_FILE).read_text())["history"][:int(state.update)]
+
+    compile_start = time.perf_counter()
+    compiled = trainer.update.lower(state).compile()
+    compile_s = time.perf_counter() - compile_start
+    start = time.perf_counter()
+    for update in range(int(state.update), trainer.num_updates):
+        state, metrics = compiled(state)
+        row = {"update": update + 1, "timesteps": (update + 1) * trainer.steps_per_update,
+               **_episode_figures(jax.device_get(metrics))}
+        history.append(row)
+        if on_update is not None:
+            on_update(row, trainer.num_updates)
+        if (update + 1) % rl.checkpoint_every == 0:
+            save_checkpoint(out / CHECKPOINT_FILE, state)
+    train_s = time.perf_counter() - start
+    done_now = trainer.num_updates - (history[0]["update"] - 1 if history else 0)
+    steps_per_s = len(history) and trainer.steps_per_update * max(done_now, 0) / max(train_s, 1e-9)
+
+    save_checkpoint(out / CHECKPOINT_FILE, state)
+    names = core.control_observation_names(world)
+    write_policy(out / POLICY_FILE, state.network, state.obs_stats.mean, state.obs_stats.var,
+                 world.params.bounds.log_low, world.params.bounds.log_high, world.params.bounds.weight_units,
+                 {"config_hash": policy_hash(config), "config": json.dumps(config_data(config)),
+                  "config_source": config.source or "", "observation_names": list(names),
+                  "action_names": list(action_names(world.params.bounds)), "bounds": world.bounds,
+                  "interval_s": rl.interval_s, "episode_s": world.episode_s,
+                  "timesteps": trainer.num_updates * trainer.steps_per_update, "seed": rl.seed,
+                  "trained_workloads": len(world.workloads)})
+    (out / HISTORY_FILE).write_text(json.dumps({
+        "config_source": config.source, "config_hash": policy_hash(config), "compile_s": compile_s,
+        "train_s": train_s, "env_steps_per_s": steps_per_s, "steps_per_update": trainer.steps_per_update,
+        "num_updates": trainer.num_updates, "history": history}, indent=1) + "\n")
+    write_curve(history, out / CURVE_FILE, f"PPO on {Path(config.source or 'config').name}")
+    return TrainingResult(out, history, compile_s, train_s, steps_per_s)
+
+
+def rollout_steps_per_s(config: Config, seconds: float = 5.0) -> float:
+    """Environment steps per second of the trainer's rollout alone (the actor acting, no learning): with the
+    training rate it tells how the time splits between simulating and learning (benchmarks/bench_rl.py)."""
+    rl = config.rl
+    trainer = make_train(env_spec(control_world(config)), rl)
+    state = trainer.init(jax.random.PRNGKey(rl.seed))
+    collect = jax.jit(trainer.rollout).lower(state).compile()
+    state = jax.block_until_ready(collect(state))
+    done, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds or not done:
+        state = jax.block_until_ready(collect(state))
+        done += 1
+    return done * trainer.steps_per_update / (time.perf_counter() - start)
+
+
+def intervals_per_episode(world: World) -> int:
+    if world.episode_s is None:
+        raise UserError("rl: an episode needs a time limit for evaluation; set rl.episode_s or simulation.horizon_s")
+    return math.ceil(world.episode_s / float(world.params.interval_s))
