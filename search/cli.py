@@ -59,9 +59,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sweep.add_argument("--batch-size", type=int, default=8, help="configs simulated together (default %(default)s)")
     sweep.set_defaults(func=run_sweep)
 
-    export = subparsers.add_parser("export", help="write a study's best trial as an engine's config file")
-    _add_study(export, required=True)
+    export = subparsers.add_parser("export", help="write a study's best trial (or the static config an RL policy "
+                                                  "holds most) as an engine's config file")
+    _add_study(export, required=False)
     export.add_argument("--trial", type=int, help="this trial (a Pareto point) instead of the best")
+    export.add_argument("--policy", type=Path, help="an RL policy file (train-rl) instead of --study: exports the "
+                                                    "knobs it holds for the most intervals of held-out episodes")
+    export.add_argument("--seeds", type=int, default=5,
+                        help="with --policy: held-out episodes to count its choices over (default %(default)s)")
     export.add_argument("--engine", choices=ENGINES, default="vllm", help="default %(default)s")
     export.add_argument("--out", type=Path, help="file to write (default: print)")
     export.set_defaults(func=run_export)
@@ -258,6 +263,49 @@ def run_sweep(args: argparse.Namespace) -> int:
 # export
 
 def run_export(args: argparse.Namespace) -> int:
+    from servetune.search.export import export
+
+    if (args.study is None) == (args.policy is None):
+        raise UserError("export: give --study (a tuned static config) or --policy (an RL policy), one of them")
+    exported, label = _export_policy(args) if args.policy is not None else _export_study(args)
+    text = exported.text
+    for warning in exported.warnings:
+        print(f"servetune: warning: {warning}", file=sys.stderr)
+    if args.out is None:
+        sys.stdout.write(text)
+        return 0
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    Console(stderr=True).print(f"wrote {args.out} ({label})")
+    return 0
+
+
+def _export_policy(args: argparse.Namespace):
+    """The static config an RL policy holds most often, with a warning that no engine hosts a live policy."""
+    from servetune.pipeline import resolve
+    from servetune.search.export import Policy, export
+    from servetune.search.policy_file import load_policy, policy_config_data
+    from servetune.search.provenance import config_from_data
+    from servetune.search.rl_eval import most_chosen_knobs
+    from servetune.search.space import apply_knobs
+
+    if args.trial is not None:
+        raise UserError("--trial goes with --study, not --policy")
+    _positive("--seeds", args.seeds)
+    policy = load_policy(args.policy)
+    config = config_from_data(policy_config_data(policy), policy.metadata.get("config_source") or str(args.policy))
+    knobs, share = most_chosen_knobs(config, policy, args.seeds)
+    chosen = apply_knobs(config, {f"scheduler.{name}": value for name, value in knobs.items()})
+    origin = {"policy": str(args.policy), "config_hash": policy.config_hash, "config_source": config.source,
+              "held_share": share, "heldout_episodes": args.seeds}
+    live = (f"{args.engine} cannot host a live policy: this is the static config the policy holds most often "
+            f"({share:.0%} of the intervals of {args.seeds} held-out episodes); what it gains by adapting is lost")
+    exported = export(Policy(resolve(chosen), chosen.scheduler.num_kv_blocks is not None, provenance=origin),
+                      args.engine, str(args.out or "FILE"), caveats=(live,))
+    return exported, f"policy {args.policy}"
+
+
+def _export_study(args: argparse.Namespace):
     from servetune.pipeline import resolve
     from servetune.search.evaluate import BatchEvaluator
     from servetune.search.export import Policy, export
@@ -273,13 +321,4 @@ def run_export(args: argparse.Namespace) -> int:
                         args.storage or DEFAULT_STORAGE, trial.number, trial.user_attrs.get("baseline"))
     policy = Policy(resolve(chosen), chosen.scheduler.num_kv_blocks is not None, predicted,
                     trial.user_attrs.get("spread"), origin)
-    exported = export(policy, args.engine, str(args.out or "FILE"))
-    for warning in exported.warnings:
-        print(f"servetune: warning: {warning}", file=sys.stderr)
-    if args.out is None:
-        sys.stdout.write(exported.text)
-        return 0
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(exported.text)
-    Console(stderr=True).print(f"wrote {args.out} (study {args.study}, trial {trial.number})")
-    return 0
+    return export(policy, args.engine, str(args.out or "FILE")), f"study {args.study}, trial {trial.number}"

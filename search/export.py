@@ -292,15 +292,17 @@ USAGE = {
 }
 
 
-def export(policy: Policy, engine: str, file_name: str = "FILE") -> Exported:
+def export(policy: Policy, engine: str, file_name: str = "FILE", caveats: tuple[str, ...] = ()) -> Exported:
+    """The engine's file; ``caveats``: warnings about the policy itself, ahead of the engine's own."""
     if engine not in ENGINE_WRITERS:
         raise UserError(f"--engine {engine}: expected one of {', '.join(ENGINES)}")
     keys, warnings = ENGINE_WRITERS[engine](policy)
+    warnings = [*caveats, *warnings]
     header = [f"servetune export for {engine}: {USAGE[engine].format(file=file_name)}"]
     if policy.provenance:
         p = policy.provenance
-        header.append(f"from study {p.get('study')} trial {p.get('trial')} (config {p.get('config_source')}, "
-                      f"hash {p.get('config_hash')})")
+        origin = (f"RL policy {p['policy']}" if "policy" in p else f"study {p.get('study')} trial {p.get('trial')}")
+        header.append(f"from {origin} (config {p.get('config_source')}, hash {p.get('config_hash')})")
     if policy.predicted and engine != "servetune":
         m = policy.predicted
         header.append(f"predicted: goodput {_num(m.get('request_goodput'))} req/s, SLO attainment "

@@ -14,6 +14,7 @@ from rich.table import Table
 from servetune.config_loader import load_config
 from servetune.cost_models import cli as cost_cli
 from servetune.search import cli as search_cli
+from servetune.search import rl_cli
 from servetune.errors import UserError
 
 
@@ -49,6 +50,7 @@ def _parser() -> argparse.ArgumentParser:
 
     cost_cli.register(sub)
     search_cli.register(sub)
+    rl_cli.register(sub)
     return parser
 
 

@@ -1,0 +1,176 @@
+"""The RL subcommands: ``train-rl`` and ``eval-policy`` (``export --policy`` is in search/cli.py).
+
+``register(subparsers)`` adds them to the main ``servetune`` parser; handlers return the exit code and raise
+``UserError`` for the main CLI to print.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+from typing import Optional
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from servetune.config import Config
+from servetune.config_loader import load_config
+from servetune.errors import UserError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    train = subparsers.add_parser("train-rl", help="train an adaptive scheduler with PPO on ServeControl-v0")
+    train.add_argument("config", help="YAML config (its rl section sets the environment and PPO)")
+    train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config field, e.g. --set rl.learning_rate=1e-3 (repeatable)")
+    train.add_argument("--timesteps", type=int, help="environment steps in all (default: rl.timesteps)")
+    train.add_argument("--num-envs", type=int, help="environments stepped together (default: rl.num_envs)")
+    train.add_argument("--seed", type=int, help="network and sampling seed (default: rl.seed)")
+    train.add_argument("--out", type=Path, required=True, help="output folder (policy, checkpoint, curve)")
+    train.add_argument("--resume", action="store_true", help="continue from the folder's checkpoint")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.set_defaults(func=run_train)
+
+    evaluate = subparsers.add_parser("eval-policy", help="a trained policy against the baselines on held-out "
+                                                         "workloads")
+    evaluate.add_argument("policy", type=Path, help="policy file from train-rl")
+    evaluate.add_argument("config", help="YAML config: the scenario to evaluate on (the policy's, normally)")
+    evaluate.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                          help="override a config field (repeatable)")
+    evaluate.add_argument("--seeds", type=int, default=5,
+                          help="held-out workload variants (episodes) per contender (default %(default)s)")
+    evaluate.add_argument("--study", help="the best static config is this study's best trial (default: run a "
+                                          "study named after the config with --static-trials trials)")
+    evaluate.add_argument("--storage", help="Optuna storage of --study (default results/studies.db)")
+    evaluate.add_argument("--static-trials", type=int, default=60,
+                          help="trials of the study run when --study is not given (default %(default)s)")
+    evaluate.add_argument("--allow-other-config", action="store_true",
+                          help="evaluate on a config other than the one the policy was trained on")
+    evaluate.add_argument("--out", type=Path, help="write the evaluation as JSON")
+    evaluate.set_defaults(func=run_eval)
+
+
+def _check_positive(name: str, value: Optional[int]) -> None:
+    if value is not None and value < 1:
+        raise UserError(f"{name}: got {value}, expected an integer ≥ 1")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# train-rl
+
+def _with_cli_rl(config: Config, args: argparse.Namespace) -> Config:
+    changes = {"timesteps": args.timesteps, "num_envs": args.num_envs, "seed": args.seed}
+    overrides = [f"rl.{key}={value}" for key, value in changes.items() if value is not None]
+    if not overrides:
+        return config
+    # Through the loader, so that a flag is checked like --set (num_minibatches must divide the batch ...).
+    return load_config(args.config, [*args.overrides, *overrides])
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from servetune.search.evaluate import use_persistent_compilation_cache
+    from servetune.search.rl_train import CURVE_FILE, POLICY_FILE, train_policy
+
+    for name in ("--timesteps", "--num-envs"):
+        _check_positive(name, getattr(args, name[2:].replace("-", "_")))
+    config = _with_cli_rl(load_config(args.config, args.overrides), args)
+    use_persistent_compilation_cache()
+    console = Console(stderr=True)
+    columns = (TextColumn("[bold]PPO"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
+               TextColumn("{task.fields[figures]}"))
+    with Progress(*columns, console=console, disable=args.no_progress) as progress:
+        task = progress.add_task("train", total=None, figures="compiling")
+
+        def on_update(row: dict, total: int) -> None:
+            figures = progress.tasks[0].fields["figures"]
+            if row["episodes"]:
+                attainment = row["slo_attainment"]
+                figures = (f"return {row['episode_return']:,.1f} · goodput {row['goodput']:.3f} req/s · "
+                           f"attainment {'—' if attainment is None else f'{attainment:.1%}'}")
+            progress.update(task, total=total, completed=row["update"], figures=figures)
+
+        result = train_policy(config, args.out, args.resume, on_update)
+    Console().print(f"trained {result.history[-1]['timesteps']:,} steps in {result.train_s:,.0f} s "
+                    f"({result.steps_per_s:,.0f} env steps/s; compile {result.compile_s:.1f} s); wrote "
+                    f"{args.out / POLICY_FILE}, {args.out / CURVE_FILE}\n"
+                    f"evaluate with: servetune eval-policy {args.out / POLICY_FILE} {args.config}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# eval-policy
+
+def check_policy_config(policy, config: Config, allow_other: bool) -> None:
+    from servetune.search.rl_train import policy_hash
+
+    if policy.config_hash != policy_hash(config) and not allow_other:
+        raise UserError(f"the policy was trained on another config or environment (hash {policy.config_hash}, "
+                        f"this config {policy_hash(config)}: see its metadata's config_source "
+                        f"{policy.metadata.get('config_source') or '?'}); pass --allow-other-config to "
+                        "evaluate it here anyway")
+
+
+def _best_static(config: Config, args: argparse.Namespace, console: Console) -> tuple[Config, str]:
+    from servetune.search.study import chosen_trial, load_study, run_study, trial_config
+
+    if args.study is not None:
+        study, study_config = load_study(args.study, args.storage)
+    else:
+        name = f"{Path(args.config).stem}-static"
+        console.print(f"no --study: running study {name} ({args.static_trials} trials) for the best static config")
+        search = dataclasses.replace(config.search, trials=args.static_trials)
+        study = run_study(dataclasses.replace(config, search=search), name, args.storage, console=console)
+        study_config = config
+    trial = chosen_trial(study, None)
+    return trial_config(study_config, trial), f"study {study.study_name} trial {trial.number}"
+
+
+def _cell(summary: dict, percent: bool = False) -> str:
+    mean, half = summary["mean"], summary["ci95"]
+    if mean is None:
+        return "—"
+    if percent:
+        return f"{mean:.1%}" + ("" if half is None else f" ± {half:.1%}")
+    return f"{mean:,.3f}" + ("" if half is None else f" ± {half:,.3f}")
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from servetune.search.evaluate import use_persistent_compilation_cache
+    from servetune.search.policy_file import load_policy
+    from servetune.search.rl_eval import evaluate
+
+    _check_positive("--seeds", args.seeds)
+    _check_positive("--static-trials", args.static_trials)
+    policy = load_policy(args.policy)
+    config = load_config(args.config, args.overrides)
+    check_policy_config(policy, config, args.allow_other_config)
+    use_persistent_compilation_cache()
+    console = Console(stderr=True)
+    static, origin = _best_static(config, args, console)
+    with console.status("evaluating") as status:
+        document = evaluate(config, policy, static, args.seeds,
+                            lambda name: status.update(f"playing {args.seeds} held-out episodes: {name}"))
+    document = {"policy": str(args.policy), "config": args.config, "best_static_from": origin, **document}
+    table = Table(title=f"{args.policy} on {args.config}: {args.seeds} held-out episodes of "
+                        f"{document['episode_s']:g} s (mean ± 95% interval)")
+    for column in ("contender", "goodput req/s", "attainment", "p99 TTFT ms", "p99 ITL ms", "held most"):
+        table.add_column(column, justify="left" if column in ("contender", "held most") else "right",
+                         no_wrap=column == "contender")
+    for name, result in document["contenders"].items():
+        knobs = result["most_chosen_knobs"]
+        held = (f"seqs {knobs['max_num_seqs']}, budget {knobs['max_num_batched_tokens']}: "
+                f"{result['most_chosen_share']:.0%}")
+        table.add_row(name, _cell(result["request_goodput"]), _cell(result["slo_attainment"], True),
+                      _cell(result["p99_ttft_ms"]), _cell(result["p99_itl_ms"]), held)
+    out = Console()
+    out.print(table)
+    gain = document.get("gain_over_best_static")
+    if gain is not None and gain["mean"] is not None:
+        out.print(f"policy vs best static ({origin}): goodput {_cell(gain, True)} (paired by episode)")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(document, indent=1) + "\n")
+        out.print(f"wrote {args.out}")
+    return 0
