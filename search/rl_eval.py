@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Optional, Sequence
 
 import jax
@@ -42,16 +43,25 @@ from servetune.search.rl_train import control_world, intervals_per_episode
 REPORTED = ("request_goodput", "slo_attainment", "p99_ttft_ms", "p99_itl_ms")
 
 
-def policy_actor(policy: LoadedPolicy) -> Callable:
-    """The policy file's actor as a jittable ``act(obs, params) -> action`` (search/policy_net.py's pass)."""
-    network = {"actor": [(jnp.asarray(w), jnp.asarray(b)) for w, b in policy.layers]}
-    mean, var = jnp.asarray(policy.obs_mean), jnp.asarray(policy.obs_var)
+def policy_act(obs, params, actor: dict):
+    """The policy file's actor (``actor_arrays``) acting deterministically: search/policy_net.py's pass."""
+    del params
+    obs = net.normalise(obs, actor["obs_mean"], actor["obs_var"])
+    return jnp.clip(net.actor_mean({"actor": actor["layers"]}, obs), -1.0, 1.0)
 
-    def act(obs, params):
-        del params
-        return jnp.clip(net.actor_mean(network, net.normalise(obs, mean, var)), -1.0, 1.0)
 
-    return act
+def actor_arrays(policy: LoadedPolicy) -> dict:
+    return {"layers": [(jnp.asarray(w), jnp.asarray(b)) for w, b in policy.layers],
+            "obs_mean": jnp.asarray(policy.obs_mean), "obs_var": jnp.asarray(policy.obs_var)}
+
+
+def _baseline(policy: Callable) -> Callable:
+    """An envs/env_baselines.py policy in ``play``'s shape (it takes no arrays of its own)."""
+    return lambda obs, params, _: policy(obs, params)
+
+
+BASELINE_ACTS = {name: _baseline(policy) for name, policy in
+                 (("reactive", reactive), ("fixed_config", fixed_config), ("vllm_defaults", vllm_defaults))}
 
 
 @dataclass(frozen=True)
@@ -62,41 +72,39 @@ class Episodes:
     knob_counts: Counter                      # (max_num_seqs, budget, threshold, queue limit) -> intervals
 
 
-def play(world: World, act: Callable) -> Episodes:
-    """Every variant of ``world``'s bank as one episode under ``act`` (vmapped; intervals scanned)."""
-    params = world.params
-    count = len(world.workloads)
-    steps = intervals_per_episode(world)
+@partial(jax.jit, static_argnames=("act", "steps"))
+def _run(params, act, extra, steps: int):
+    """Every variant of the bank as one episode of ``steps`` intervals under ``act(obs, params, extra)``."""
+    count = params.bank.num_requests.shape[0]
+    obs, states = jax.vmap(core.control_reset_to, (0, None))(jnp.arange(count, dtype=jnp.int32), params)
 
-    @jax.jit
-    def run(variants):
-        obs, states = jax.vmap(core.control_reset_to, (0, None))(variants, params)
+    def interval(carry, _):
+        obs, states, done = carry
+        actions = jax.vmap(act, (0, None, None))(obs, params, extra)
+        new_obs, new_states, _, terminated, truncated, _ = jax.vmap(core.control_step, (None, 0, 0, None))(
+            None, states, actions, params)
+        # An ended episode stays as it ended.
+        states = jax.tree_util.tree_map(
+            lambda old, new: jnp.where(done.reshape(done.shape + (1,) * (old.ndim - 1)), old, new), states, new_states)
+        knobs = jax.vmap(decode, (0, None))(jnp.clip(actions, -1.0, 1.0), params.bounds)
+        chosen = jnp.stack([knobs.max_num_seqs, knobs.max_num_batched_tokens, knobs.long_prefill_token_threshold,
+                            knobs.max_num_queued_reqs], axis=-1)
+        return (jnp.where(done[:, None], obs, new_obs), states, done | terminated | truncated), (chosen, ~done)
 
-        def interval(carry, _):
-            obs, states, done = carry
-            actions = jax.vmap(act, (0, None))(obs, params)
-            new_obs, new_states, _, terminated, truncated, _ = jax.vmap(core.control_step, (None, 0, 0, None))(
-                None, states, actions, params)
-            # An ended episode stays as it ended.
-            states = jax.tree_util.tree_map(
-                lambda old, new: jnp.where(done.reshape(done.shape + (1,) * (old.ndim - 1)), old, new),
-                states, new_states)
-            knobs = jax.vmap(decode, (0, None))(jnp.clip(actions, -1.0, 1.0), params.bounds)
-            chosen = jnp.stack([knobs.max_num_seqs, knobs.max_num_batched_tokens,
-                                knobs.long_prefill_token_threshold, knobs.max_num_queued_reqs], axis=-1)
-            return (jnp.where(done[:, None], obs, new_obs), states, done | terminated | truncated), (chosen, ~done)
+    (_, states, _), (chosen, live) = jax.lax.scan(interval, (obs, states, jnp.zeros(count, bool)), None, steps)
+    return states, chosen, live
 
-        (_, states, _), (chosen, live) = jax.lax.scan(
-            interval, (obs, states, jnp.zeros(count, bool)), None, steps)
-        return states, chosen, live
 
-    states, chosen, live = jax.device_get(run(jnp.arange(count, dtype=jnp.int32)))
+def play(world: World, act: Callable, extra=None) -> Episodes:
+    """Every variant of ``world``'s bank as one episode, all vmapped; ``act`` is one of BASELINE_ACTS or
+    ``policy_act`` (with ``extra = actor_arrays(policy)``): module-level functions, so that compiled rollouts
+    are reused across calls."""
+    states, chosen, live = jax.device_get(_run(world.params, act, extra, intervals_per_episode(world)))
     metrics = []
-    for variant in range(count):
+    for variant in range(len(world.workloads)):
         engine_state = jax.tree_util.tree_map(lambda x: x[variant], states.engine)
         metrics.append(episode_metrics(world, variant, episode_outcome(world, variant, engine_state)))
-    counts = Counter(tuple(int(v) for v in row) for row in chosen[live])
-    return Episodes(metrics, counts)
+    return Episodes(metrics, Counter(tuple(int(v) for v in row) for row in chosen[live]))
 
 
 def _summary(values: Sequence[Optional[float]]) -> dict:
@@ -128,16 +136,19 @@ def evaluate(config: Config, policy: LoadedPolicy, static_config: Optional[Confi
     """The evaluation document (``eval-policy``'s JSON): per contender the summaries of REPORTED and the knobs
     it chose most often, plus the policy's paired gain over the best static config."""
     policy_world = heldout_world(config, episodes)
-    contenders = [("policy", policy_world, policy_actor(policy)), ("reactive", policy_world, reactive)]
+    contenders = [("policy", policy_world, policy_act, actor_arrays(policy)),
+                  ("reactive", policy_world, BASELINE_ACTS["reactive"], None)]
     if static_config is not None:
-        contenders.append(("best-static", heldout_world(static_config, episodes, bounds=None), fixed_config))
-    contenders.append(("vllm-default", heldout_world(config, episodes, bounds=None), vllm_defaults))
+        contenders.append(("best-static", heldout_world(static_config, episodes, bounds=None),
+                           BASELINE_ACTS["fixed_config"], None))
+    contenders.append(("vllm-default", heldout_world(config, episodes, bounds=None), BASELINE_ACTS["vllm_defaults"],
+                       None))
 
     results = {}
-    for name, world, act in contenders:
+    for name, world, act, extra in contenders:
         if on_contender is not None:
             on_contender(name)
-        played = play(world, act)
+        played = play(world, act, extra)
         knobs, share = _most_chosen(played)
         results[name] = {**{key: _summary([m[key] for m in played.metrics]) for key in REPORTED},
                          "most_chosen_knobs": knobs, "most_chosen_share": share,
@@ -153,4 +164,4 @@ def evaluate(config: Config, policy: LoadedPolicy, static_config: Optional[Confi
 
 def most_chosen_knobs(config: Config, policy: LoadedPolicy, episodes: int) -> tuple[dict, float]:
     """The knob setting the policy holds for the most intervals over held-out episodes, and that share."""
-    return _most_chosen(play(heldout_world(config, episodes), policy_actor(policy)))
+    return _most_chosen(play(heldout_world(config, episodes), policy_act, actor_arrays(policy)))

@@ -197,21 +197,6 @@ def train_policy(config: Config, out: Path, resume: bool = False,
     return TrainingResult(out, history, compile_s, train_s, steps_per_s)
 
 
-def rollout_steps_per_s(config: Config, seconds: float = 5.0) -> float:
-    """Environment steps per second of the trainer's rollout alone (the actor acting, no learning): with the
-    training rate it tells how the time splits between simulating and learning (benchmarks/bench_rl.py)."""
-    rl = config.rl
-    trainer = make_train(env_spec(control_world(config)), rl)
-    state = trainer.init(jax.random.PRNGKey(rl.seed))
-    collect = jax.jit(trainer.rollout).lower(state).compile()
-    state = jax.block_until_ready(collect(state))
-    done, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds or not done:
-        state = jax.block_until_ready(collect(state))
-        done += 1
-    return done * trainer.steps_per_update / (time.perf_counter() - start)
-
-
 def intervals_per_episode(world: World) -> int:
     if world.episode_s is None:
         raise UserError("rl: an episode needs a time limit for evaluation; set rl.episode_s or simulation.horizon_s")

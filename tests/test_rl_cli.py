@@ -1,0 +1,119 @@
+"""The RL commands end to end: train-rl writes its folder, eval-policy compares on held-out episodes, export
+--policy writes the static config the policy holds most; bad input exits 2 with one line."""
+import json
+
+import numpy as np
+import pytest
+import yaml
+
+from servetune.cli import main
+from servetune.config_loader import load_config
+from servetune.search.policy_file import load_policy
+from servetune.search.rl_eval import actor_arrays, heldout_world, play, policy_act
+from servetune.search.rl_train import (
+    CHECKPOINT_FILE, CURVE_FILE, HISTORY_FILE, POLICY_FILE, control_world, policy_hash,
+)
+
+CHAT = "examples/chat.yaml"
+SMALL = ["--set", "rl.episode_s=10", "--set", "rl.bounds={max_num_seqs: [1, 32]}", "--set", "rl.num_steps=10",
+         "--set", "rl.num_minibatches=2", "--set", "rl.num_workloads=2", "--set", "rl.checkpoint_every=1"]
+CONFIG_OVERRIDES = SMALL[1::2]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("rl") / "chat"
+    code = main(["train-rl", CHAT, *SMALL, "--timesteps", "80", "--num-envs", "4", "--out", str(out),
+                 "--no-progress"])
+    assert code == 0
+    return out
+
+
+def test_train_rl_writes_policy_checkpoint_history_and_curve(trained):
+    for name in (POLICY_FILE, CHECKPOINT_FILE, HISTORY_FILE, CURVE_FILE):
+        assert (trained / name).stat().st_size > 0, name
+    history = json.loads((trained / HISTORY_FILE).read_text())
+    assert history["steps_per_update"] == 40 and history["num_updates"] == 2
+    assert [row["timesteps"] for row in history["history"]] == [40, 80]
+    assert history["env_steps_per_s"] > 0
+    # 10-step episodes in 10-step rollouts: each of the 4 envs ends one per update.
+    assert all(row["episodes"] == 4 and 0 <= row["slo_attainment"] <= 1 for row in history["history"])
+    policy = load_policy(trained / POLICY_FILE)
+    config = load_config(CHAT, CONFIG_OVERRIDES)
+    assert policy.config_hash == policy_hash(config)
+    assert policy.action_names == ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
+                                   "max_num_queued_reqs")
+    assert policy.observation_names[0] == "queue_len" and policy.interval_s == 1.0
+    assert 1 <= policy(np.zeros(len(policy.observation_names)))["max_num_seqs"] <= 32
+
+
+def test_resume_continues_from_the_checkpoint(trained, tmp_path):
+    out = tmp_path / "again"
+    assert main(["train-rl", CHAT, *SMALL, "--timesteps", "40", "--num-envs", "4", "--out", str(out),
+                 "--no-progress"]) == 0
+    assert main(["train-rl", CHAT, *SMALL, "--timesteps", "80", "--num-envs", "4", "--out", str(out),
+                 "--no-progress", "--resume"]) == 0
+    rows = json.loads((out / HISTORY_FILE).read_text())["history"]
+    assert [row["update"] for row in rows] == [1, 2]
+
+
+def test_eval_policy_compares_on_held_out_episodes(trained, tmp_path, capsys):
+    out = tmp_path / "eval.json"
+    code = main(["eval-policy", str(trained / POLICY_FILE), CHAT, *SMALL, "--seeds", "2", "--static-trials", "4",
+                 "--storage", str(tmp_path / "s.db"), "--out", str(out)])
+    assert code == 0
+    document = json.loads(out.read_text())
+    assert set(document["contenders"]) == {"policy", "reactive", "best-static", "vllm-default"}
+    for name, result in document["contenders"].items():
+        values = result["request_goodput"]["values"]
+        assert len(values) == 2 and all(v >= 0 for v in values), name
+        assert result["request_goodput"]["mean"] == pytest.approx(np.mean(values))
+    policy, static = (document["contenders"][n]["request_goodput"]["values"] for n in ("policy", "best-static"))
+    assert document["gain_over_best_static"]["values"] == pytest.approx([a / b - 1 for a, b in zip(policy, static)])
+    assert "policy vs best static" in capsys.readouterr().out
+
+
+def test_held_out_episodes_are_the_workloads_after_the_training_ones(trained):
+    config = load_config(CHAT, CONFIG_OVERRIDES)
+    training = control_world(config)          # seeds 0 and 1
+    held_out = heldout_world(config, 2)       # seeds 2 and 3
+    seed_two = control_world(load_config(CHAT, [*CONFIG_OVERRIDES, "workload.seed=2"]), 1)
+    np.testing.assert_array_equal(held_out.workloads[0].arrival_s, seed_two.workloads[0].arrival_s)
+    for trained_on in training.workloads:
+        for unseen in held_out.workloads:
+            assert not np.array_equal(trained_on.arrival_s, unseen.arrival_s)
+    policy = load_policy(trained / POLICY_FILE)
+    played = play(held_out, policy_act, actor_arrays(policy))
+    assert len(played.metrics) == 2
+    for metrics in played.metrics:
+        assert metrics["completed"] + metrics["rejected"] + metrics["unfinished"] == metrics["arrived"]
+    assert sum(played.knob_counts.values()) == 2 * 10   # every interval of both 10 s episodes
+
+
+def test_export_policy_writes_the_most_held_config_with_a_warning(trained, tmp_path, capsys):
+    out = tmp_path / "policy.vllm.yaml"
+    assert main(["export", "--policy", str(trained / POLICY_FILE), "--engine", "vllm", "--seeds", "2",
+                 "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "vllm cannot host a live policy" in err
+    text = out.read_text()
+    assert "# warning: vllm cannot host a live policy" in text
+    keys = yaml.safe_load(text)
+    assert 1 <= keys["max-num-seqs"] <= 32 and keys["max-num-batched-tokens"] >= keys["max-num-seqs"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["export", "--engine", "vllm"], "give --study"),
+    (["eval-policy", "missing.safetensors", CHAT], "no such policy file"),
+    (["train-rl", CHAT, "--out", "x", "--timesteps", "0"], "--timesteps: got 0"),
+    (["train-rl", CHAT, "--out", "x", "--num-envs", "3", "--set", "rl.num_minibatches=5"], "rl.num_minibatches"),
+])
+def test_bad_input_exits_2_with_one_line(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_eval_policy_refuses_a_policy_trained_on_another_config(trained, capsys):
+    assert main(["eval-policy", str(trained / POLICY_FILE), CHAT]) == 2
+    assert "trained on another config" in capsys.readouterr().err
