@@ -4,8 +4,10 @@ file (search/policy_file.py), whose NumPy forward pass mirrors ``actor_mean`` op
 
     params = {"actor": [(w, b), ...], "log_std": [A], "critic": [(w, b), ...]}
 
-Hidden layers use orthogonal weights (gain sqrt 2) and zero biases; the actor's output layer gain 0.01 (the
-first policy is near the middle of every knob's range), the critic's 1 -- PPO's usual initialisation.
+Hidden layers use orthogonal weights (gain sqrt 2) and zero biases; the actor's output layer gain 0.01 and the
+critic's 1 -- PPO's usual initialisation -- except that the actor's output bias is ``initial_action``: the first
+policy holds the config's own knobs (search/rl_train.py), so PPO learns how to depart from a known config rather
+than starting from the middle of every knob's range.
 """
 from __future__ import annotations
 
@@ -32,10 +34,14 @@ def _mlp_init(key, sizes: Sequence[int], out_gain: float) -> list:
     return layers
 
 
-def init_network(key, obs_size: int, action_size: int, hidden: Sequence[int]) -> dict:
+def init_network(key, obs_size: int, action_size: int, hidden: Sequence[int], initial_action=None) -> dict:
     actor_key, critic_key = jax.random.split(key)
+    actor = _mlp_init(actor_key, [obs_size, *hidden, action_size], 0.01)
+    if initial_action is not None:
+        w, _ = actor[-1]
+        actor[-1] = (w, jnp.asarray(initial_action, jnp.float32))
     return {
-        "actor": _mlp_init(actor_key, [obs_size, *hidden, action_size], 0.01),
+        "actor": actor,
         "log_std": jnp.full(action_size, INITIAL_LOG_STD, jnp.float32),
         "critic": _mlp_init(critic_key, [obs_size, *hidden, 1], 1.0),
     }

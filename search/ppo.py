@@ -51,6 +51,7 @@ class EnvSpec:
     terminated, truncated, info)`` (the step's key is passed as None: the environments here are deterministic).
     ``episode_sums``: info entries summed over each episode for the logs (ServeControl: good, missed, ...);
     ``episode_last``: entries whose value at an episode's last step is logged (its clock, say).
+    ``initial_action``: the first policy's mean action (None: the middle of the box).
     """
 
     reset: Callable
@@ -60,6 +61,7 @@ class EnvSpec:
     action_size: int
     episode_sums: tuple[str, ...] = ()
     episode_last: tuple[str, ...] = ()
+    initial_action: Any = None
 
 
 @pytree_dataclass
@@ -162,7 +164,7 @@ def make_train(env: EnvSpec, rl: RlConfig) -> Trainer:
 
     def init(key) -> TrainState:
         network_key, env_key, key = jax.random.split(key, 3)
-        network = net.init_network(network_key, env.obs_size, env.action_size, rl.hidden)
+        network = net.init_network(network_key, env.obs_size, env.action_size, rl.hidden, env.initial_action)
         pairs = jax.vmap(jax.random.split)(jax.random.split(env_key, num_envs))
         obs, env_state = jax.vmap(env.reset, (0, None))(pairs[:, 1], env.params)
         obs_stats = update_stats(empty_stats(env.obs_size), obs)

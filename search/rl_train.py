@@ -58,7 +58,9 @@ def env_spec(world: World) -> EnvSpec:
     return EnvSpec(reset=core.control_reset, step=core.control_step, params=world.params,
                    obs_size=len(core.control_observation_names(world)),
                    action_size=len(action_names(world.params.bounds)),
-                   episode_sums=EPISODE_SUMS, episode_last=EPISODE_LAST)
+                   episode_sums=EPISODE_SUMS, episode_last=EPISODE_LAST,
+                   # Inside the box, so that the Gaussian explores both sides of a knob at its bound.
+                   initial_action=jnp.clip(world.params.config_action, -0.95, 0.95))
 
 
 def policy_hash(config: Config) -> str:
@@ -144,6 +146,17 @@ def write_curve(history: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def _write_history(out: Path, config: Config, trainer: Trainer, history: list[dict], compile_s: float,
+                   train_s: float, updates_timed: int) -> float:
+    """training.json; returns the environment steps per second of the updates this run timed."""
+    steps_per_s = trainer.steps_per_update * updates_timed / max(train_s, 1e-9)
+    (out / HISTORY_FILE).write_text(json.dumps({
+        "config_source": config.source, "config_hash": policy_hash(config), "compile_s": compile_s,
+        "train_s": train_s, "env_steps_per_s": steps_per_s, "steps_per_update": trainer.steps_per_update,
+        "num_updates": trainer.num_updates, "history": history}, indent=1) + "\n")
+    return steps_per_s
+
+
 def train_policy(config: Config, out: Path, resume: bool = False,
                  on_update: Optional[Callable[[dict, int], None]] = None) -> TrainingResult:
     """Train on ``config``'s world (its ``rl`` section) and write the output folder; ``on_update(row, total)``
@@ -165,8 +178,9 @@ def train_policy(config: Config, out: Path, resume: bool = False,
     compile_start = time.perf_counter()
     compiled = trainer.update.lower(state).compile()
     compile_s = time.perf_counter() - compile_start
+    first = int(state.update)
     start = time.perf_counter()
-    for update in range(int(state.update), trainer.num_updates):
+    for update in range(first, trainer.num_updates):
         state, metrics = compiled(state)
         row = {"update": update + 1, "timesteps": (update + 1) * trainer.steps_per_update,
                **_episode_figures(jax.device_get(metrics))}
@@ -174,10 +188,11 @@ def train_policy(config: Config, out: Path, resume: bool = False,
         if on_update is not None:
             on_update(row, trainer.num_updates)
         if (update + 1) % rl.checkpoint_every == 0:
+            # The history with it, so that a resumed run's curve starts at the beginning.
             save_checkpoint(out / CHECKPOINT_FILE, state)
+            _write_history(out, config, trainer, history, compile_s, time.perf_counter() - start, update + 1 - first)
     train_s = time.perf_counter() - start
-    done_now = trainer.num_updates - (history[0]["update"] - 1 if history else 0)
-    steps_per_s = len(history) and trainer.steps_per_update * max(done_now, 0) / max(train_s, 1e-9)
+    steps_per_s = _write_history(out, config, trainer, history, compile_s, train_s, trainer.num_updates - first)
 
     save_checkpoint(out / CHECKPOINT_FILE, state)
     names = core.control_observation_names(world)
@@ -189,10 +204,6 @@ def train_policy(config: Config, out: Path, resume: bool = False,
                   "interval_s": rl.interval_s, "episode_s": world.episode_s,
                   "timesteps": trainer.num_updates * trainer.steps_per_update, "seed": rl.seed,
                   "trained_workloads": len(world.workloads)})
-    (out / HISTORY_FILE).write_text(json.dumps({
-        "config_source": config.source, "config_hash": policy_hash(config), "compile_s": compile_s,
-        "train_s": train_s, "env_steps_per_s": steps_per_s, "steps_per_update": trainer.steps_per_update,
-        "num_updates": trainer.num_updates, "history": history}, indent=1) + "\n")
     write_curve(history, out / CURVE_FILE, f"PPO on {Path(config.source or 'config').name}")
     return TrainingResult(out, history, compile_s, train_s, steps_per_s)
 

@@ -179,6 +179,7 @@ def test_an_overridden_trace_path_is_relative_to_the_current_folder(monkeypatch)
         ("schedular.max_num_seqs=3", ["schedular: unknown key", "did you mean scheduler?"]),
         ("scheduler.max_num_seqs.limit=3", ["scheduler.max_num_seqs is a value, not a section", "limit"]),
         ("source=x.yaml", ["source: unknown key"]),
+        ("rl.bounds={max_num_seq: [1, 64]}", ["rl.bounds.max_num_seq: unknown key", "did you mean rl.bounds.max_num_seqs?"]),
         ("scheduler.max_num_seqs", ["expected KEY=VALUE"]),
         ("=3", ["expected KEY=VALUE"]),
         ("workload.lengths.prompt_tokens=[1, 4", ["--set workload.lengths.prompt_tokens=[1, 4", "invalid YAML"]),
@@ -246,10 +247,25 @@ def test_message_names_file_field_value_and_expectation(tmp_path):
         # choices
         ("scheduler", "policy", "dynamic", "got 'dynamic', expected one of continuous, static"),
         ("cost_model", "kind", "quadratic", "got 'quadratic', expected one of linear, roofline, calibrated"),
+        # the rl section
+        ("rl", "interval_s", 0, "got 0, expected a finite number > 0"),
+        ("rl", "gamma", 1.5, "got 1.5, expected a finite number in [0, 1]"),
+        ("rl", "num_envs", 0, "got 0, expected an integer ≥ 1"),
+        ("rl", "miss_penalty", -1, "got -1, expected a finite number ≥ 0"),
+        ("rl", "hidden", [64, 0], "got [64, 0], expected a non-empty list of layer widths, integers ≥ 1, such as "
+                                  "[64, 64]"),
+        ("rl", "bounds", [1, 64], "got [1, 64], expected a mapping of knob to [low, high], such as "
+                                  "{max_num_seqs: [1, 64]}"),
+        ("rl", "num_minibatches", 7, "got 7, expected a divisor of num_envs × num_steps = 16384"),
     ],
 )
 def test_bad_field_values_are_named(section, field, value, expected):
     assert config_error({section: {field: value}}) == f"c.yaml: {section}.{field}: {expected}"
+
+
+def test_a_bad_rl_bound_names_its_knob():
+    assert config_error({"rl": {"bounds": {"max_num_seqs": [64, 1]}}}) == (
+        "c.yaml: rl.bounds.max_num_seqs: got [64, 1], expected [low, high], integers with 1 ≤ low < high")
 
 
 @pytest.mark.parametrize(
