@@ -7,13 +7,16 @@ boundary, "c" computed tokens, "g" emitted tokens, "h" blocks held, "free" the f
 """
 from __future__ import annotations
 
+import csv
 import math
 
 import numpy as np
 import pytest
 
-from conftest import linear, scheduler_config
+from conftest import linear, scheduler_config, uniform_slos
+from servetune.config import SloConfig
 from servetune.cost_models.linear import step_time_s
+from servetune.envs.metrics import compute_metrics, segment_metrics, write_requests_csv
 from servetune.envs.outcome import (
     COMPLETED,
     ITL_HIST_BINS,
@@ -436,10 +439,10 @@ def test_step_batch_counts_prefill_chunks_and_decodes(simulator):
 # Closed-loop agent sessions ----------------------------------------------------------------------------
 
 
-def simulate_sessions(simulator, sessions, horizon_s=None, cost=BASE_COST, **scheduler):
-    """Run ``sessions`` -- (start_s, [(prompt, output), (think_s, prompt, output), ...]) each: a first call,
-    then calls arriving think_s after the previous one ended -- through ``simulator``. Request ids number the
-    calls session by session."""
+def session_workload(sessions) -> Workload:
+    """``sessions`` -- (start_s, [(prompt, output), (think_s, prompt, output), ...]) each: a first call, then
+    calls arriving think_s after the previous one ended -- as a workload; ids number the calls session by
+    session."""
     arrival, prompt, output, session, think = [], [], [], [], []
     for index, (start, calls) in enumerate(sessions):
         for position, call in enumerate(calls):
@@ -449,9 +452,14 @@ def simulate_sessions(simulator, sessions, horizon_s=None, cost=BASE_COST, **sch
             output.append(o)
             session.append(index)
             think.append(wait)
-    workload = Workload(np.array(arrival, float), np.array(prompt), np.array(output),
-                        session=np.array(session), think_s=np.array(think, float))
-    return simulator(workload, scheduler_config(**scheduler), step_time_s, cost, horizon_s=horizon_s)
+    return Workload(np.array(arrival, float), np.array(prompt), np.array(output),
+                    session=np.array(session), think_s=np.array(think, float))
+
+
+def simulate_sessions(simulator, sessions, horizon_s=None, cost=BASE_COST, **scheduler):
+    """Run ``sessions`` (see session_workload) through ``simulator``."""
+    return simulator(session_workload(sessions), scheduler_config(**scheduler), step_time_s, cost,
+                     horizon_s=horizon_s)
 
 
 AGENTS = [(0.0, [(100, 2), (0.5, 50, 1), (0.25, 10, 1)]),   # A0, A1, A2 (ids 0, 1, 2)
@@ -478,6 +486,27 @@ def test_each_call_arrives_its_think_time_after_the_previous_one_finished(simula
     # In system from each call's own arrival: 3.11 + (5.63 - 3.61) + (6.98 - 5.88) + (5.63 - 0.5) + (9.19 - 6.63)
     # = 3.11 + 2.02 + 1.10 + 5.13 + 2.56
     assert out.totals.in_system_seconds == pytest.approx(13.92, rel=1e-6)
+
+
+def test_metrics_and_requests_csv_measure_from_each_calls_actual_arrival(simulator, tmp_path):
+    # The timeline above. TTFT: A0 2.00, A1 5.63 - 3.61 = 2.02, A2 6.98 - 5.88 = 1.10, B0 3.11 - 0.5 = 2.61,
+    # B1 8.18 - 6.63 = 1.55: mean 9.28 / 5 = 1.856 s. E2EL: 3.11, 2.02, 1.10, 5.13, 2.56: mean 2.784 s.
+    # Within a 2,050 ms TTFT SLO: all but B0. Duration: from the first arrival (0) to the end (9.19).
+    workload = session_workload(AGENTS)
+    out = simulator(workload, scheduler_config(max_num_seqs=8), step_time_s, BASE_COST)
+    slos = uniform_slos(SloConfig(ttft_ms=2050.0), workload.num_requests)
+    metrics = compute_metrics(workload, out, slos, num_kv_blocks=8192)
+    assert metrics["mean_ttft_ms"] == pytest.approx(1856.0, rel=1e-6)
+    assert metrics["mean_e2el_ms"] == pytest.approx(2784.0, rel=1e-6)
+    assert metrics["duration_s"] == pytest.approx(9.19, rel=1e-6)
+    assert metrics["good"] == 4
+    # 5 s windows by actual arrival: A0, B0 and A1 (3.61) in the first; A2 (5.88) and B1 (6.63) in the second.
+    windows = segment_metrics(workload, out, slos, window_s=5.0)["time_window"]
+    assert {name: segment["arrived"] for name, segment in windows.items()} == {"0-5s": 3, "5-10s": 2}
+    write_requests_csv(tmp_path / "requests.csv", workload, out)
+    with open(tmp_path / "requests.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [row["arrival_s"] for row in rows] == ["0.000000", "3.610000", "5.880000", "0.500000", "6.630000"]
 
 
 def test_a_call_unfinished_at_the_horizon_holds_back_the_rest_of_its_session(simulator):
