@@ -8,6 +8,10 @@ this module computes the same thing without a Python loop over requests or steps
   admission order so that "earlier-admitted first" is simply array order.
 * The waiting queue is a ring buffer of request ids: arrivals append at the back, preempted requests
   are prepended at the front, admissions pop the front.
+* Open-loop arrivals are a pointer into the request table, sorted by arrival. Closed-loop sessions keep
+  one pending call per session instead -- the call that arrives next and when -- which completions and
+  rejections write and each iteration sorts by (arrival, id). Its fields are None for open-loop workloads,
+  so those compile as if it did not exist.
 * Sequential rules become prefix computations: the token budget is an exclusive cumulative sum, "stop
   at the first request that does not fit" is a prefix-AND, and preempting from the back of the running
   set until an allocation fits is a comparison of cumulative block demand against suffix sums of the
