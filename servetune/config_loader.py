@@ -642,6 +642,10 @@ def _check_sessions(workload: WorkloadConfig, report: _Reporter) -> WorkloadConf
     return dataclasses.replace(workload, sessions=dataclasses.replace(sessions, think_s=think))
 
 
+# The scheduler fields closed-loop sessions fix, and the value they must keep (a search may not vary them).
+_CLOSED_LOOP_ONLY = {"scheduler.queue_order": "fcfs", "scheduler.enable_prefix_caching": False}
+
+
 def _check_closed_loop_scheduler(config: Config, report: _Reporter) -> None:
     """What closed-loop sessions do not combine with: scored queue orders read arrival times fixed before
     the run, and the prefix cache is replayed in arrival order before it; a call's arrival is known only
@@ -824,7 +828,11 @@ def _check_scenarios(config: Config, scenarios: Any, report: _Reporter, base_dir
 def _check_search(config: Config, report: _Reporter, base_dir: Path) -> SearchConfig:
     search = config.search
     knobs = None if search.knobs is None else _check_knobs(search.knobs, report)
-    for key, _ in knobs or ():
+    for key, knob in knobs or ():
+        if config.workload.sessions is not None and key in _CLOSED_LOOP_ONLY:
+            allowed = _CLOSED_LOOP_ONLY[key]
+            if knob.choices is None or set(knob.choices) - {allowed}:
+                raise report.error(f"search.knobs.{key}", f"may only be {_show(allowed)} with workload.sessions")
         if key.startswith(WEIGHTS_KEY + ".") and config.scheduler.queue_order != "weighted":
             raise report.error(f"search.knobs.{key}", f"searches a weight of the weighted queue order, but "
                                                       f"scheduler.queue_order is {config.scheduler.queue_order}")

@@ -528,6 +528,10 @@ def with_sessions(**sessions) -> dict:
          "scheduler.queue_order: got 'edf', expected fcfs with workload.sessions"),
         ({"workload": AGENT, "scheduler": {"enable_prefix_caching": True}},
          "scheduler.enable_prefix_caching: got true, expected false with workload.sessions"),
+        ({"workload": AGENT, "search": {"knobs": {"scheduler.queue_order": {"choices": ["fcfs", "sjf"]}}}},
+         "search.knobs.scheduler.queue_order: may only be 'fcfs' with workload.sessions"),
+        ({"workload": AGENT, "search": {"knobs": {"scheduler.enable_prefix_caching": {"choices": [True, False]}}}},
+         "search.knobs.scheduler.enable_prefix_caching: may only be false with workload.sessions"),
     ],
 )
 def test_bad_sessions_are_named(data, expected):
