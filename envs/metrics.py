@@ -70,7 +70,7 @@ def good_requests(workload: Workload, outcome: SimulationOutcome, slos: RequestS
             & (~many | (req.max_itl_s * 1e3 <= slos.itl_ms)))
 
 
-def run_duration(workload: Workload, outcome: SimulationOutcome) -> float:
+def run_duration(outcome: SimulationOutcome) -> float:
     """Seconds from the first arrival to the end of the run (0 when nothing arrived)."""
     arrived = outcome.requests.status != NOT_ARRIVED
     start = float(outcome.requests.arrival_s[arrived].min()) if arrived.any() else outcome.totals.end_s
@@ -83,7 +83,7 @@ def compute_metrics(workload: Workload, outcome: SimulationOutcome, slos: Reques
     completed = req.status == COMPLETED
     arrived = req.status != NOT_ARRIVED
     num_arrived = int(arrived.sum())
-    duration = run_duration(workload, outcome)
+    duration = run_duration(outcome)
     rate = (lambda count: count / duration) if duration > 0 else (lambda count: None)
 
     ttft = (req.first_token_s - req.arrival_s)[completed]
@@ -198,7 +198,7 @@ def segment_metrics(workload: Workload, outcome: SimulationOutcome, slos: Reques
         raise ValueError(f"window_s must be at least {MIN_WINDOW_S} s, got {window_s}")
     req = outcome.requests
     arrived_rows = np.flatnonzero(req.status != NOT_ARRIVED)
-    duration = run_duration(workload, outcome)
+    duration = run_duration(outcome)
     good = good_requests(workload, outcome, slos)
     latencies = _request_latencies_ms(workload, outcome)
 
