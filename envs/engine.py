@@ -833,7 +833,9 @@ def _advance(trace, params, state, slots, tokens, cost_fn, num_slots):
     # at the run's end decides the same rejections.
     seats_closed = _seats_closed(params, num_running)
     no_admission = seats_closed | (state.queue_len == 0)
-    continues = (jnp.all(~running | decoding) & ~jnp.any(finished0) & no_admission
+    # Nor does a look-ahead follow a step that schedules nothing (an iteration that is not stepping the
+    # engine): its histogram and request-table writes are kept whichever outcome the iteration chooses.
+    continues = (jnp.any(scheduled) & jnp.all(~running | decoding) & ~jnp.any(finished0) & no_admission
                  & (num_running <= params.max_num_batched_tokens))
     j = jnp.arange(LOOKAHEAD_STEPS, dtype=i32)
     first = _batch_summary(slots, tokens)

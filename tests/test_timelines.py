@@ -436,6 +436,19 @@ def test_step_batch_counts_prefill_chunks_and_decodes(simulator):
     assert_requests(out, first=[3.65985, 2.03325], finish=[5.87085, 3.65985], status=[COMPLETED] * 2)
 
 
+def test_a_burst_larger_than_one_iterations_arrivals_counts_each_gap_once(simulator):
+    # Every step 0.01 s. R0-R3 (P=4, O=200) take all 4 seats at t=0; 30 requests (P=4, O=2) arrive together
+    # at 0.5, mid-decode: more than the engine processes in one loop iteration (16), while nobody can be
+    # admitted. R0-R3 emit at steps 1..200 (199 gaps each) and finish at t=2.00; then the 30 go 4 at a time,
+    # prefill then decode (1 gap each): 8 groups of 2 steps, ending at 2.16. 4 * 199 + 30 = 826 gaps, all 0.01.
+    out = simulate(simulator, [(0.0, 4, 200)] * 4 + [(0.5, 4, 2)] * 30, cost=linear(0.01), max_num_seqs=4)
+    assert np.all(out.requests.status == COMPLETED)
+    assert out.totals.steps == 216
+    assert out.totals.end_s == pytest.approx(2.16, rel=1e-6)
+    expected = np.bincount(itl_bin_index(np.full(826, 0.01)), minlength=ITL_HIST_BINS)
+    assert np.array_equal(np.asarray(out.totals.itl_histogram), expected)
+
+
 # Closed-loop agent sessions ----------------------------------------------------------------------------
 
 
