@@ -373,3 +373,24 @@ def test_closed_loop_cases_cover_every_release(closed_loop_results):
     assert not rare, f"fewer than {minimum} of {len(closed_loop_results)} cases had {rare}; all counts: {counts}"
     # The cases left out as decided by rounding stay rare.
     assert len(closed_loop_results) >= 0.99 * NUM_CLOSED_LOOP_WORKLOADS * CONFIGS_PER_WORKLOAD
+
+
+def test_closed_loop_bursts_beyond_one_iteration_match_reference():
+    """40 sessions starting together and thinking a multiple of 1/8 s: more calls due at one boundary than
+    the engine takes per loop iteration (16), first calls and released ones, while seats are short."""
+    rng = np.random.default_rng(7)
+    sessions, calls = 40, 3
+    n = sessions * calls
+    think = rng.integers(1, 3, size=n) / 8.0
+    think[::calls] = 0.0
+    workload = Workload(np.full(n, 1.0), rng.integers(1, 33, size=n), rng.integers(1, 9, size=n),
+                        session=np.repeat(np.arange(sessions), calls), think_s=think)
+    results = []
+    for index, max_num_seqs in enumerate([4, 64]):
+        scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=256, num_kv_blocks=4096,
+                                    max_num_queued_reqs=24)
+        case = Case(7, index, workload, scheduler, linear(f32(0.01), f32(1e-4)), None)
+        args = (workload, scheduler, step_time_s, case.cost, None)
+        results.append((case, simulate_reference(*args), simulate_workload(*args)))
+    assert_agree(results, "simulate_workload (closed-loop bursts)")
+    assert any(np.any(ref.requests.reject_reason == REJECT_QUEUE_FULL) for _, ref, _ in results)
