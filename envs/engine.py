@@ -10,8 +10,8 @@ this module computes the same thing without a Python loop over requests or steps
   are prepended at the front, admissions pop the front.
 * Open-loop arrivals are a pointer into the request table, sorted by arrival. Closed-loop sessions keep
   one pending call per session instead -- the call that arrives next and when -- which completions and
-  rejections write and each iteration sorts by (arrival, id). Its fields are None for open-loop workloads,
-  so those compile as if it did not exist.
+  rejections write, and from which each iteration takes the due calls earliest first (ties by id). Its
+  fields are None for open-loop workloads, so those compile as if it did not exist.
 * Sequential rules become prefix computations: the token budget is an exclusive cumulative sum, "stop
   at the first request that does not fit" is a prefix-AND, and preempting from the back of the running
   set until an allocation fits is a comparison of cumulative block demand against suffix sums of the
@@ -319,24 +319,30 @@ def _due_arrivals(trace, params, state):
     prefix) -- and, closed-loop, whether more than those are due (None: open-loop asks after processing).
 
     Open-loop arrivals are the workload's rows in order. Closed-loop ones are the sessions' released calls,
-    ordered by arrival time, ties by id: a sort of one entry per session.
+    earliest first, ties by id: taken from the pending table one at a time while any is due, so that an
+    iteration pays for the calls it takes (usually none or one) rather than for sorting every session.
     """
     n = trace.prompt.shape[0]
     if trace.think is None:
         index = state.next_arrival + jnp.arange(ARRIVALS_PER_ITERATION, dtype=i32)
         safe = jnp.minimum(index, n - 1)
         return index, trace.arrival_hi[safe], trace.arrival_lo[safe], _arrival_due(trace, params, state, index), None
-    hi, lo, call = state.pending_hi, state.pending_lo, state.pending_call
-    padding = ARRIVALS_PER_ITERATION - hi.shape[0]
-    if padding > 0:
-        hi = jnp.concatenate([hi, jnp.full(padding, jnp.inf, f32)])
-        lo = jnp.concatenate([lo, jnp.zeros(padding, f32)])
-        call = jnp.concatenate([call, jnp.full(padding, n, i32)])
-    hi, lo, call = (x[:ARRIVALS_PER_ITERATION] for x in jax.lax.sort((hi, lo, call), num_keys=3))
-    due = _due_at(params, state, call < n, hi, lo)
-    due_anywhere = jnp.sum(_due_at(params, state, state.pending_call < n, state.pending_hi, state.pending_lo),
-                           dtype=i32)
-    return call, hi, lo, due, due_anywhere > jnp.sum(due, dtype=i32)
+    pending_hi, pending_lo, pending_call = state.pending_hi, state.pending_lo, state.pending_call
+
+    def take_earliest(carry):
+        taken, left, ids, his, los = carry
+        hi = jnp.min(jnp.where(left, pending_hi, jnp.inf))
+        lo = jnp.min(jnp.where(left & (pending_hi == hi), pending_lo, jnp.inf))
+        at = jnp.argmin(jnp.where(left & (pending_hi == hi) & (pending_lo == lo), pending_call, n))
+        return (taken + 1, left.at[at].set(False), ids.at[taken].set(pending_call[at]), his.at[taken].set(hi),
+                los.at[taken].set(lo))
+
+    due_anywhere = _due_at(params, state, pending_call < n, pending_hi, pending_lo)
+    start = (jnp.asarray(0, i32), due_anywhere, jnp.full(ARRIVALS_PER_ITERATION, n, i32),
+             jnp.full(ARRIVALS_PER_ITERATION, jnp.inf, f32), jnp.zeros(ARRIVALS_PER_ITERATION, f32))
+    taken, left, ids, hi, lo = jax.lax.while_loop(
+        lambda carry: (carry[0] < ARRIVALS_PER_ITERATION) & jnp.any(carry[1]), take_earliest, start)
+    return ids, hi, lo, jnp.arange(ARRIVALS_PER_ITERATION) < taken, jnp.any(left)
 
 
 class Arrived(NamedTuple):
