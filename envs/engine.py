@@ -8,6 +8,10 @@ this module computes the same thing without a Python loop over requests or steps
   admission order so that "earlier-admitted first" is simply array order.
 * The waiting queue is a ring buffer of request ids: arrivals append at the back, preempted requests
   are prepended at the front, admissions pop the front.
+* Open-loop arrivals are a pointer into the request table, sorted by arrival. Closed-loop sessions keep
+  one pending call per session instead -- the call that arrives next and when -- which completions and
+  rejections write, and from which each iteration takes the due calls earliest first (ties by id). Its
+  fields are None for open-loop workloads, so those compile as if it did not exist.
 * Sequential rules become prefix computations: the token budget is an exclusive cumulative sum, "stop
   at the first request that does not fit" is a prefix-AND, and preempting from the back of the running
   set until an allocation fits is a comparison of cumulative block demand against suffix sums of the
@@ -68,6 +72,11 @@ class Trace:
     predicted_output: jnp.ndarray   # float32 output length the scheduler believes
     ttft_budget: jnp.ndarray        # float32 seconds from arrival to its TTFT deadline
     rate_limited: jnp.ndarray       # bool: its tenant's rate limit refuses it at arrival (envs/admission.py)
+    # Closed-loop sessions only (None for open-loop arrivals, which compile without them). A session's calls
+    # are consecutive ids; call r + 1 follows call r when both have the same session.
+    session: Any = None             # int32 session of each call
+    think: Any = None               # float32 seconds from the previous call's end to this call's arrival
+    first_call: Any = None          # int32[num_sessions] each session's first call
 
 
 class QueueShape(NamedTuple):
@@ -131,6 +140,8 @@ class Requests:
     sum_sq_gap: jnp.ndarray
     last_emit_hi: jnp.ndarray
     last_emit_lo: jnp.ndarray
+    arrival_hi: Any = None  # closed-loop only: when each call arrived (set as it is processed)
+    arrival_lo: Any = None
 
 
 @pytree_dataclass
@@ -164,6 +175,10 @@ class EngineState:
     tenant_tokens: jnp.ndarray
     tenant_in_system: jnp.ndarray
     tenant_active: jnp.ndarray
+    # Closed-loop only: per session, the call that arrives next (n when none is released) and when.
+    pending_call: Any = None
+    pending_hi: Any = None   # +inf when none
+    pending_lo: Any = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,6 +248,11 @@ def init_state(trace: Trace, params: EngineParams, num_slots: int, queue_shape: 
     rz_i, rz_f = jnp.zeros(n, i32), jnp.zeros(n, f32)
     nan = jnp.full(n, jnp.nan, f32)
     requests = Requests(rz_i, rz_i, rz_i, rz_i, nan, nan, rz_f, rz_f, rz_f, rz_f)
+    closed_loop = {}
+    if trace.think is not None:
+        requests = replace(requests, arrival_hi=rz_f, arrival_lo=rz_f)
+        closed_loop = dict(pending_call=trace.first_call, pending_hi=trace.arrival_hi[trace.first_call],
+                           pending_lo=trace.arrival_lo[trace.first_call])
     # The clock starts at the first arrival -- or at the horizon, if nothing arrives before it.
     starts_at_horizon = _df_le(params.horizon_hi, params.horizon_lo, trace.arrival_hi[0], trace.arrival_lo[0])
     return EngineState(
@@ -251,22 +271,78 @@ def init_state(trace: Trace, params: EngineParams, num_slots: int, queue_shape: 
         pool_key=jnp.zeros(0 if queue_shape is None else queue_size, f32), pool_end=jnp.asarray(0, i32),
         pool_tenant=jnp.zeros(0 if queue_shape is None else queue_size, i32),
         tenant_in_system=jnp.zeros(tenants, i32), tenant_active=jnp.zeros(tenants, bool),
+        **closed_loop,
     )
 
 
 # ---------------------------------------------------------------------------------------------
 # Arrivals
 # ---------------------------------------------------------------------------------------------
-def _arrival_due(trace, params, state, index):
-    """Whether request `index` has arrived by the clock (and before the horizon)."""
-    n = trace.prompt.shape[0]
-    safe = jnp.minimum(index, n - 1)
-    a_hi, a_lo = trace.arrival_hi[safe], trace.arrival_lo[safe]
+def _due_at(params, state, exists, a_hi, a_lo):
+    """Whether an arrival that `exists` at (a_hi, a_lo) is due by the clock (and before the horizon)."""
     return (
-        (index < n)
+        exists
         & _df_le(a_hi, a_lo, state.clock_hi, state.clock_lo)
         & ~_df_le(params.horizon_hi, params.horizon_lo, a_hi, a_lo)
     )
+
+
+def _arrival_due(trace, params, state, index):
+    """Whether open-loop request `index` has arrived by the clock (and before the horizon)."""
+    n = trace.prompt.shape[0]
+    safe = jnp.minimum(index, n - 1)
+    return _due_at(params, state, index < n, trace.arrival_hi[safe], trace.arrival_lo[safe])
+
+
+def _arrival_of(trace, state, ids):
+    """Arrival times (hi, lo) of requests `ids`: the workload's, or a closed-loop call's as it arrived."""
+    if trace.think is None:
+        return trace.arrival_hi[ids], trace.arrival_lo[ids]
+    return state.requests.arrival_hi[ids], state.requests.arrival_lo[ids]
+
+
+def _next_arrival(trace, state):
+    """(hi, lo, whether there is one) of the earliest arrival not yet processed. Closed-loop: the earliest
+    released call (the ids that tie do not matter here, only the time)."""
+    n = trace.prompt.shape[0]
+    if trace.think is None:
+        nxt = jnp.minimum(state.next_arrival, n - 1)
+        return trace.arrival_hi[nxt], trace.arrival_lo[nxt], state.next_arrival < n
+    hi = jnp.min(state.pending_hi)
+    exists = jnp.isfinite(hi)
+    lo = jnp.min(jnp.where(state.pending_hi == hi, state.pending_lo, jnp.inf))
+    return hi, jnp.where(exists, lo, 0.0), exists
+
+
+def _due_arrivals(trace, params, state):
+    """The next ARRIVALS_PER_ITERATION arrivals in processing order -- (ids, arrival hi, lo, which are due: a
+    prefix) -- and, closed-loop, whether more than those are due (None: open-loop asks after processing).
+
+    Open-loop arrivals are the workload's rows in order. Closed-loop ones are the sessions' released calls,
+    earliest first, ties by id: taken from the pending table one at a time while any is due, so that an
+    iteration pays for the calls it takes (usually none or one) rather than for sorting every session.
+    """
+    n = trace.prompt.shape[0]
+    if trace.think is None:
+        index = state.next_arrival + jnp.arange(ARRIVALS_PER_ITERATION, dtype=i32)
+        safe = jnp.minimum(index, n - 1)
+        return index, trace.arrival_hi[safe], trace.arrival_lo[safe], _arrival_due(trace, params, state, index), None
+    pending_hi, pending_lo, pending_call = state.pending_hi, state.pending_lo, state.pending_call
+
+    def take_earliest(carry):
+        taken, left, ids, his, los = carry
+        hi = jnp.min(jnp.where(left, pending_hi, jnp.inf))
+        lo = jnp.min(jnp.where(left & (pending_hi == hi), pending_lo, jnp.inf))
+        at = jnp.argmin(jnp.where(left & (pending_hi == hi) & (pending_lo == lo), pending_call, n))
+        return (taken + 1, left.at[at].set(False), ids.at[taken].set(pending_call[at]), his.at[taken].set(hi),
+                los.at[taken].set(lo))
+
+    due_anywhere = _due_at(params, state, pending_call < n, pending_hi, pending_lo)
+    start = (jnp.asarray(0, i32), due_anywhere, jnp.full(ARRIVALS_PER_ITERATION, n, i32),
+             jnp.full(ARRIVALS_PER_ITERATION, jnp.inf, f32), jnp.zeros(ARRIVALS_PER_ITERATION, f32))
+    taken, left, ids, hi, lo = jax.lax.while_loop(
+        lambda carry: (carry[0] < ARRIVALS_PER_ITERATION) & jnp.any(carry[1]), take_earliest, start)
+    return ids, hi, lo, jnp.arange(ARRIVALS_PER_ITERATION) < taken, jnp.any(left)
 
 
 class Arrived(NamedTuple):
@@ -280,8 +356,7 @@ class Arrived(NamedTuple):
 def _process_arrivals(trace: Trace, params: EngineParams, state: EngineState, scored: bool):
     """Admit or reject up to ARRIVALS_PER_ITERATION due arrivals, in order; report if more are due."""
     n = trace.prompt.shape[0]
-    index = state.next_arrival + jnp.arange(ARRIVALS_PER_ITERATION, dtype=i32)
-    due = _arrival_due(trace, params, state, index)  # a prefix: arrivals are sorted
+    index, arrival_hi, arrival_lo, due, more_due = _due_arrivals(trace, params, state)
     safe = jnp.minimum(index, n - 1)
     peak_tokens = trace.prompt[safe] + trace.output[safe] - 1
     never_fits = _ceil_div(peak_tokens, params.block_size) > params.num_kv_blocks - params.watermark_blocks
@@ -308,8 +383,13 @@ def _process_arrivals(trace: Trace, params: EngineParams, state: EngineState, sc
         status=_set_where(req.status, index, jnp.where(accepted, IN_SYSTEM, REJECTED), due),
         reason=_set_where(req.reason, index, reason, rejected),
     )
+    if trace.think is not None:
+        req = replace(req, arrival_hi=_set_where(req.arrival_hi, index, arrival_hi, due),
+                      arrival_lo=_set_where(req.arrival_lo, index, arrival_lo, due))
+        # A session's next call is released by this one's rejection, now (by its completion otherwise).
+        state = _release_next_calls(trace, state, safe, due & ~accepted, due, (state.clock_hi, state.clock_lo))
     # A request arriving mid-step is in the system from its arrival, though processed at the boundary.
-    waited = _df_sub(state.clock_hi, state.clock_lo, trace.arrival_hi[safe], trace.arrival_lo[safe])
+    waited = _df_sub(state.clock_hi, state.clock_lo, arrival_hi, arrival_lo)
     next_arrival = state.next_arrival + jnp.sum(due, dtype=i32)
     if scored:
         # Arrivals are newer than everything in the pool, so appending keeps it in id order. One that
@@ -329,8 +409,24 @@ def _process_arrivals(trace: Trace, params: EngineParams, state: EngineState, sc
         next_arrival=next_arrival,
         in_system_seconds=state.in_system_seconds + jnp.sum(jnp.where(accepted, waited, 0.0)),
     )
-    more_due = _arrival_due(trace, params, state, next_arrival)
+    if more_due is None:
+        more_due = _arrival_due(trace, params, state, next_arrival)
     return state, more_due, arrived
+
+
+def _release_next_calls(trace, state, calls, release, written, at):
+    """For calls `calls` where `written`: their session's pending call becomes the next call, arriving its
+    think time after `at` (hi, lo) where `release` and the session has one, else none."""
+    n = trace.prompt.shape[0]
+    follower = jnp.minimum(calls + 1, n - 1)
+    release = release & (calls + 1 < n) & (trace.session[follower] == trace.session[calls])
+    at_hi, at_lo = _df_add(at[0], at[1], trace.think[follower])
+    session = trace.session[calls]
+    return replace(state,
+        pending_call=_set_where(state.pending_call, session, jnp.where(release, follower, n), written),
+        pending_hi=_set_where(state.pending_hi, session, jnp.where(release, at_hi, jnp.inf), written),
+        pending_lo=_set_where(state.pending_lo, session, jnp.where(release, at_lo, 0.0), written),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -541,10 +637,9 @@ def _take_from_budget(need, budget_left, params):
     return jnp.where(fits, jnp.minimum(capped, budget_before), 0), fits
 
 
-def _static_timeout(trace, params, front: Slots):
+def _static_timeout(trace, params, state, front: Slots):
     """When the queue's front request will have waited max_wait_s (static batching's start signal)."""
-    first = front.req[0]
-    return _df_add(trace.arrival_hi[first], trace.arrival_lo[first], params.max_wait_s)
+    return _df_add(*_arrival_of(trace, state, front.req[0]), params.max_wait_s)
 
 
 def _form_static_batch(trace, params, state, front: Slots, valid, timeout, num_slots):
@@ -744,7 +839,9 @@ def _advance(trace, params, state, slots, tokens, cost_fn, num_slots):
     # at the run's end decides the same rejections.
     seats_closed = _seats_closed(params, num_running)
     no_admission = seats_closed | (state.queue_len == 0)
-    continues = (jnp.all(~running | decoding) & ~jnp.any(finished0) & no_admission
+    # Nor does a look-ahead follow a step that schedules nothing (an iteration that is not stepping the
+    # engine): its histogram and request-table writes are kept whichever outcome the iteration chooses.
+    continues = (jnp.any(scheduled) & jnp.all(~running | decoding) & ~jnp.any(finished0) & no_admission
                  & (num_running <= params.max_num_batched_tokens))
     j = jnp.arange(LOOKAHEAD_STEPS, dtype=i32)
     first = _batch_summary(slots, tokens)
@@ -761,11 +858,11 @@ def _advance(trace, params, state, slots, tokens, cost_fn, num_slots):
     durations = jnp.broadcast_to(cost_fn(params.cost, batch), j.shape).astype(f32)
     starts = _exclusive_cumsum(durations)
     remaining = jnp.min(jnp.where(running, slots.output - generated0, NO_LIMIT))
-    n = trace.prompt.shape[0]
-    nxt = jnp.minimum(state.next_arrival, n - 1)
-    to_arrival = jnp.where(
-        (state.next_arrival < n) & ~seats_closed,
-        _df_sub(trace.arrival_hi[nxt], trace.arrival_lo[nxt], state.clock_hi, state.clock_lo), jnp.inf)
+    next_hi, next_lo, next_exists = _next_arrival(trace, state)
+    # A closed-loop call that arrives mid-run must be processed at the first boundary after it even while
+    # nobody can be admitted: a rejection releases the session's next call from that boundary.
+    arrival_ends_run = next_exists & ~seats_closed if trace.think is None else next_exists
+    to_arrival = jnp.where(arrival_ends_run, _df_sub(next_hi, next_lo, state.clock_hi, state.clock_lo), jnp.inf)
     to_horizon = _df_sub(params.horizon_hi, params.horizon_lo, state.clock_hi, state.clock_lo)
     # Step j >= 1 needs blocks for computed0 + j tokens per request. A request with `spare` free token
     # positions in its blocks needs ceil((j - spare) / block_size) new ones by step j; counting requests by
@@ -813,7 +910,7 @@ def _advance(trace, params, state, slots, tokens, cost_fn, num_slots):
         gap=gap, max_gap=max_gap, sum_sq_gap=sum_sq)
 
     req = state.requests
-    arrival_hi, arrival_lo = trace.arrival_hi[slots.req], trace.arrival_lo[slots.req]
+    arrival_hi, arrival_lo = _arrival_of(trace, state, slots.req)
     first_token = emits0 & ~had_token
     req = replace(req,
         ttft=_set_where(req.ttft, slots.req, _df_sub(*first_end, arrival_hi, arrival_lo), first_token),
@@ -846,6 +943,8 @@ def _advance(trace, params, state, slots, tokens, cost_fn, num_slots):
     target = jnp.where(keep, _exclusive_cumsum(keep.astype(i32)), num_slots)
     source = jnp.full(num_slots, num_slots, i32).at[target].set(pos, mode="drop")
     kept = source < num_slots
+    if trace.think is not None:
+        state = _release_next_calls(trace, state, slots.req, finished, finished, (end_hi, end_lo))
     slots = jax.tree_util.tree_map(
         lambda x: jnp.where(kept, x[jnp.minimum(source, num_slots - 1)], jnp.zeros((), x.dtype)), slots)
     return replace(state,
@@ -862,11 +961,10 @@ def _advance(trace, params, state, slots, tokens, cost_fn, num_slots):
 
 def _idle(trace, params, state, timeout):
     """Nothing to schedule: jump to the next arrival, static-batch timeout or horizon; or end."""
-    n = trace.prompt.shape[0]
-    nxt = jnp.minimum(state.next_arrival, n - 1)
-    candidates_hi = [trace.arrival_hi[nxt], params.horizon_hi]
-    candidates_lo = [trace.arrival_lo[nxt], params.horizon_lo]
-    exists = [state.next_arrival < n, jnp.asarray(False)]
+    next_hi, next_lo, next_exists = _next_arrival(trace, state)
+    candidates_hi = [next_hi, params.horizon_hi]
+    candidates_lo = [next_lo, params.horizon_lo]
+    exists = [next_exists, jnp.asarray(False)]
     t_hi, t_lo = timeout
     candidates_hi.append(t_hi)
     candidates_lo.append(t_lo)
@@ -919,7 +1017,7 @@ def _iteration(trace, params, state, cost_fn, num_slots, scored: bool):
         front, front_valid, front_at = _pool_front(trace, params, state, num_slots)
     else:
         front, front_valid = _queue_front(trace, params, state, arrived, num_slots)
-    timeout = _static_timeout(trace, params, front)
+    timeout = _static_timeout(trace, params, state, front)
     engine, batched = _form_static_batch(trace, params, state, front, front_valid, timeout, num_slots)
     slots, tokens, preempted, end, free = _running_pass(params, engine, num_slots)
     preempted = preempted & active

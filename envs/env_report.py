@@ -60,7 +60,8 @@ def episode_outcome(world: World, variant: int, state: engine.EngineState,
 
     r = inside.requests
     requests = RequestOutcomes(
-        status=extend(r.status, NOT_ARRIVED), reject_reason=extend(r.reject_reason, 0),
+        status=extend(r.status, NOT_ARRIVED), arrival_s=extend(r.arrival_s, np.nan),
+        reject_reason=extend(r.reject_reason, 0),
         first_token_s=extend(r.first_token_s, np.nan),
         finish_s=extend(r.finish_s, np.nan), generated_tokens=extend(r.generated_tokens, 0),
         preemptions=extend(r.preemptions, 0), max_itl_s=extend(r.max_itl_s, np.nan),

@@ -191,6 +191,10 @@ def build_world(config: Union[str, Path, Mapping, Config], *, overrides: Sequenc
     if config.scheduler.policy != "continuous":
         raise ValueError("the environments steer continuous batching; scheduler.policy is "
                          f"{config.scheduler.policy!r}, expected 'continuous'")
+    if config.workload.sessions is not None:
+        # An episode is a window of arrivals fixed in advance; closed-loop calls arrive only as they are served.
+        raise ValueError("the environments replay open-loop arrivals; workload.sessions (closed-loop agent "
+                         "sessions) is not supported there, expected workload.sessions: null")
     if not (isinstance(interval_s, (int, float)) and math.isfinite(interval_s) and interval_s > 0):
         raise ValueError(f"interval_s: got {interval_s!r}, expected seconds > 0")
     if episode_s is None:
@@ -228,7 +232,7 @@ def build_world(config: Union[str, Path, Mapping, Config], *, overrides: Sequenc
     trace = engine.Trace(**{
         field.name: jnp.asarray(np.stack([_pad(np.asarray(getattr(t, field.name)), size,
                                                pad_fill.get(field.name, 0)) for t in traces]))
-        for field in dataclasses.fields(engine.Trace)})
+        for field in dataclasses.fields(engine.Trace) if getattr(traces[0], field.name) is not None})
 
     def per_request(column: Callable[[int], np.ndarray], fill, dtype) -> jnp.ndarray:
         return jnp.asarray(np.stack([_pad(np.asarray(column(k), dtype), size, fill) for k in range(num_workloads)]))

@@ -57,8 +57,8 @@ def histogram_percentile(counts: np.ndarray, edges: np.ndarray, q: float) -> Opt
 def good_requests(workload: Workload, outcome: SimulationOutcome, slos: RequestSlos) -> np.ndarray:
     """Completed requests that meet each of their own SLOs (a one-token request has no TPOT or ITL to miss)."""
     req = outcome.requests
-    ttft = req.first_token_s - workload.arrival_s
-    e2el = req.finish_s - workload.arrival_s
+    ttft = req.first_token_s - req.arrival_s
+    e2el = req.finish_s - req.arrival_s
     many = workload.output_tokens >= 2
     with np.errstate(invalid="ignore", divide="ignore"):
         tpot = (e2el - ttft) / (workload.output_tokens - 1)
@@ -70,10 +70,10 @@ def good_requests(workload: Workload, outcome: SimulationOutcome, slos: RequestS
             & (~many | (req.max_itl_s * 1e3 <= slos.itl_ms)))
 
 
-def run_duration(workload: Workload, outcome: SimulationOutcome) -> float:
+def run_duration(outcome: SimulationOutcome) -> float:
     """Seconds from the first arrival to the end of the run (0 when nothing arrived)."""
     arrived = outcome.requests.status != NOT_ARRIVED
-    start = float(workload.arrival_s[arrived].min()) if arrived.any() else outcome.totals.end_s
+    start = float(outcome.requests.arrival_s[arrived].min()) if arrived.any() else outcome.totals.end_s
     return max(outcome.totals.end_s - start, 0.0)
 
 
@@ -83,11 +83,11 @@ def compute_metrics(workload: Workload, outcome: SimulationOutcome, slos: Reques
     completed = req.status == COMPLETED
     arrived = req.status != NOT_ARRIVED
     num_arrived = int(arrived.sum())
-    duration = run_duration(workload, outcome)
+    duration = run_duration(outcome)
     rate = (lambda count: count / duration) if duration > 0 else (lambda count: None)
 
-    ttft = (req.first_token_s - workload.arrival_s)[completed]
-    e2el = (req.finish_s - workload.arrival_s)[completed]
+    ttft = (req.first_token_s - req.arrival_s)[completed]
+    e2el = (req.finish_s - req.arrival_s)[completed]
     out = workload.output_tokens[completed]
     many = out >= 2
     tpot = (e2el[many] - ttft[many]) / (out[many] - 1)
@@ -198,7 +198,7 @@ def segment_metrics(workload: Workload, outcome: SimulationOutcome, slos: Reques
         raise ValueError(f"window_s must be at least {MIN_WINDOW_S} s, got {window_s}")
     req = outcome.requests
     arrived_rows = np.flatnonzero(req.status != NOT_ARRIVED)
-    duration = run_duration(workload, outcome)
+    duration = run_duration(outcome)
     good = good_requests(workload, outcome, slos)
     latencies = _request_latencies_ms(workload, outcome)
 
@@ -212,7 +212,7 @@ def segment_metrics(workload: Workload, outcome: SimulationOutcome, slos: Reques
 
     width = window_s if window_s is not None else readable_window_s(duration)
     # Window k covers [k * width, (k + 1) * width) on the workload's clock, as requests.csv gives arrivals.
-    window = np.floor(workload.arrival_s / width).astype(np.int64)
+    window = np.floor(np.where(req.status != NOT_ARRIVED, req.arrival_s, 0.0) / width).astype(np.int64)
     bucket = np.searchsorted([bound for bound, _ in PROMPT_BUCKETS[:-1]], workload.prompt_tokens, side="right")
     return {
         "tenant": segments(workload.tenant, lambda i: workload.tenant_names[i]),
@@ -227,8 +227,8 @@ def _request_latencies_ms(workload: Workload, outcome: SimulationOutcome) -> dic
     req = outcome.requests
     completed = req.status == COMPLETED
     many = completed & (workload.output_tokens >= 2)
-    ttft = np.where(completed, req.first_token_s - workload.arrival_s, np.nan)
-    e2el = np.where(completed, req.finish_s - workload.arrival_s, np.nan)
+    ttft = np.where(completed, req.first_token_s - req.arrival_s, np.nan)
+    e2el = np.where(completed, req.finish_s - req.arrival_s, np.nan)
     with np.errstate(invalid="ignore", divide="ignore"):
         tpot = np.where(many, (e2el - ttft) / (workload.output_tokens - 1), np.nan)
     max_itl = np.where(many, req.max_itl_s, np.nan)
@@ -276,7 +276,7 @@ def write_requests_csv(path: Path, workload: Workload, outcome: SimulationOutcom
                          "preemptions", "status", "reject_reason", "generated_tokens"])
         for i in np.flatnonzero(req.status != NOT_ARRIVED):
             writer.writerow([
-                int(i), _time(workload.arrival_s[i]), _time(req.first_token_s[i]), _time(req.finish_s[i]),
+                int(i), _time(req.arrival_s[i]), _time(req.first_token_s[i]), _time(req.finish_s[i]),
                 int(workload.prompt_tokens[i]), int(workload.output_tokens[i]), int(req.preemptions[i]),
                 STATUS_NAMES[int(req.status[i])], REJECT_NAMES[int(req.reject_reason[i])],
                 int(req.generated_tokens[i]),

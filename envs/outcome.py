@@ -46,6 +46,7 @@ class RequestOutcomes:
     """Per-request results, in workload order. Times are on the workload's clock (seconds)."""
 
     status: np.ndarray            # int: COMPLETED | REJECTED | UNFINISHED | NOT_ARRIVED
+    arrival_s: np.ndarray         # float64, when it arrived (closed-loop calls: as released), NaN if it never did
     reject_reason: np.ndarray     # int: REJECT_* (REJECT_NONE unless rejected)
     first_token_s: np.ndarray     # float64, NaN when no token was emitted
     finish_s: np.ndarray          # float64, NaN unless completed

@@ -8,6 +8,7 @@ requests. The JAX engine implements the same rules independently; the differenti
 """
 from __future__ import annotations
 
+import heapq
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -93,6 +94,8 @@ class _Request:
     arrival_rel_s: float = 0.0     # arrival since the first (float32, as the scores read it)
     ttft_budget_s: float = 0.0     # arrival to TTFT deadline (edf; float32)
     cached_tokens: int = 0         # prompt tokens found in the prefix cache: prefill starts after them
+    think_s: float = 0.0           # closed-loop: seconds from the previous call's end to this call's arrival
+    next_call: Optional["_Request"] = None   # closed-loop: the session's call after this one
     rank: float = 0.0              # scored queues: the score it was admitted with
     computed: int = 0              # c: tokens whose KV is computed
     generated: int = 0             # g: output tokens emitted so far
@@ -176,6 +179,19 @@ class _Engine:
                      0 if self.hits is None else int(self.hits.cached_tokens[i]))
             for i, (a, p, o, t, q, po, rel, b) in enumerate(columns)
         ]
+        # Closed-loop sessions: only first calls have an arrival time before the run; each later call is
+        # released when its predecessor ends. `pending` is a heap of (arrival, id) of the released calls.
+        self.closed_loop = workload.closed_loop
+        self.pending: list[tuple[float, int]] = []
+        if self.closed_loop:
+            for request, session, think in zip(self.requests, workload.session, workload.think_s):
+                request.think_s = float(think)
+                follows = request.index > 0 and workload.session[request.index - 1] == session
+                if follows:
+                    self.requests[request.index - 1].next_call = request
+                    request.arrival_s = math.inf
+                else:
+                    heapq.heappush(self.pending, (request.arrival_s, request.index))
         # Scored queue orders (envs/queue_order.py): the weights, and per tenant VTC's virtual token
         # counter, its requests in the system, and whether it had any at the last step boundary.
         self.scored = config.queue_order != "fcfs"
@@ -226,21 +242,37 @@ class _Engine:
 
     # -- 1. arrivals ---------------------------------------------------------------------------------
 
+    def next_unprocessed(self) -> Optional[_Request]:
+        """The next arrival in processing order: by arrival time, ties by id (the workload's order when open)."""
+        if self.closed_loop:
+            return self.requests[self.pending[0][1]] if self.pending else None
+        return self.requests[self.next_arrival] if self.next_arrival < len(self.requests) else None
+
     def process_arrivals(self) -> None:
-        while self.next_arrival < len(self.requests):
-            request = self.requests[self.next_arrival]
+        while (request := self.next_unprocessed()) is not None:
             if request.arrival_s > self.clock or request.arrival_s >= self.horizon_s:
                 return
-            self.next_arrival += 1
+            if self.closed_loop:
+                heapq.heappop(self.pending)
+            else:
+                self.next_arrival += 1
             reason = self.rejection_reason(request)
             if reason != REJECT_NONE:
                 request.status, request.reject_reason = REJECTED, reason
+                self.release_next_call(request, self.clock)   # the agent gets its error at this boundary
                 continue
             request.status = UNFINISHED
             self.waiting.append(request)
             self.tenant_in_system[request.tenant] += 1
             # It has been in the system since it arrived, possibly during the step that just ended.
             self.in_system_seconds += self.clock - request.arrival_s
+
+    def release_next_call(self, request: _Request, ended_at: float) -> None:
+        """Closed-loop: the session's next call arrives its think time after this call ended."""
+        follower = request.next_call
+        if follower is not None:
+            follower.arrival_s = ended_at + follower.think_s
+            heapq.heappush(self.pending, (follower.arrival_s, follower.index))
 
     def rejection_reason(self, request: _Request) -> int:
         config = self.config
@@ -417,10 +449,10 @@ class _Engine:
     def idle(self) -> bool:
         """Jump the clock to the next event; False when nothing is left to come and the run ends."""
         candidates = []
-        if self.next_arrival < len(self.requests):
+        if (upcoming := self.next_unprocessed()) is not None:
             # A request at or after the horizon never arrives, but the workload has not ended: the engine
             # waits for it, and the horizon stops the wait.
-            candidates.append(self.requests[self.next_arrival].arrival_s)
+            candidates.append(upcoming.arrival_s)
         if self.config.policy == "static" and self.waiting:
             candidates.append(self.static_timeout())
         if not candidates:
@@ -469,6 +501,7 @@ class _Engine:
             self.release_blocks(request)
             self.running.remove(request)
             self.tenant_in_system[request.tenant] -= 1
+            self.release_next_call(request, at)
 
     # -- results -------------------------------------------------------------------------------------
 
@@ -476,6 +509,7 @@ class _Engine:
         rs = self.requests
         requests = RequestOutcomes(
             status=np.array([r.status for r in rs], dtype=np.int64),
+            arrival_s=np.array([math.nan if r.status == NOT_ARRIVED else r.arrival_s for r in rs], dtype=np.float64),
             reject_reason=np.array([r.reject_reason for r in rs], dtype=np.int64),
             first_token_s=np.array([r.first_token_s for r in rs], dtype=np.float64),
             finish_s=np.array([r.finish_s for r in rs], dtype=np.float64),

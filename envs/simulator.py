@@ -39,6 +39,12 @@ def device_trace(workload: Workload, length_prediction_noise: float = 0.0,
     hi, lo = _split_double(workload.arrival_s)
     if ttft_slo_ms is None:
         ttft_slo_ms = np.full(workload.num_requests, np.inf)
+    closed_loop = {}
+    if workload.closed_loop:
+        first_call = np.flatnonzero(np.diff(workload.session, prepend=-1))
+        closed_loop = dict(session=jnp.asarray(workload.session, jnp.int32),
+                           think=jnp.asarray(workload.think_s, jnp.float32),
+                           first_call=jnp.asarray(first_call, jnp.int32))
     return engine.Trace(
         arrival_hi=jnp.asarray(hi), arrival_lo=jnp.asarray(lo),
         prompt=jnp.asarray(workload.prompt_tokens, jnp.int32),
@@ -49,6 +55,7 @@ def device_trace(workload: Workload, length_prediction_noise: float = 0.0,
         predicted_output=jnp.asarray(predicted_output_tokens(workload, length_prediction_noise), jnp.float32),
         ttft_budget=jnp.asarray(ttft_budgets_s(ttft_slo_ms), jnp.float32),
         rate_limited=jnp.asarray(np.zeros(workload.num_requests, bool) if rate_limited is None else rate_limited),
+        **closed_loop,
     )
 
 
@@ -186,15 +193,23 @@ def outcome_from_state(workload: Workload, state: engine.EngineState, horizon_s:
     status = np.full(workload.num_requests, UNFINISHED, np.int64)
     status[req.status == engine.DONE] = COMPLETED
     status[req.status == engine.REJECTED] = REJECTED
-    if horizon_s is not None:
-        status[(req.status == engine.PENDING) & (workload.arrival_s >= horizon_s)] = NOT_ARRIVED
+    if workload.closed_loop:
+        # A call still pending was never released before the run stopped, or released past the horizon.
+        status[req.status == engine.PENDING] = NOT_ARRIVED
+        arrival = req.arrival_hi.astype(np.float64) + req.arrival_lo.astype(np.float64)
+    else:
+        if horizon_s is not None:
+            status[(req.status == engine.PENDING) & (workload.arrival_s >= horizon_s)] = NOT_ARRIVED
+        arrival = workload.arrival_s
+    arrival = np.where(status != NOT_ARRIVED, arrival, np.nan)
     completed = status == COMPLETED
     generated = req.generated.astype(np.int64)
-    first_token = workload.arrival_s + req.ttft.astype(np.float64)
-    finish = np.where(completed, workload.arrival_s + req.e2el.astype(np.float64), np.nan)
+    first_token = arrival + req.ttft.astype(np.float64)
+    finish = np.where(completed, arrival + req.e2el.astype(np.float64), np.nan)
     two_or_more = generated >= 2
     requests = RequestOutcomes(
         status=status,
+        arrival_s=arrival,
         reject_reason=req.reason.astype(np.int64),
         first_token_s=first_token,
         finish_s=finish,

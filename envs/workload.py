@@ -13,7 +13,7 @@ from typing import Optional
 
 import numpy as np
 
-from servetune.config import LengthsConfig, TenantConfig, WorkloadConfig
+from servetune.config import LengthsConfig, SessionsConfig, TenantConfig, WorkloadConfig
 from servetune.envs.arrivals import ARRIVAL_SOURCES, Arrivals
 from servetune.envs.lengths import LENGTH_SAMPLERS, MAX_TOKEN_COUNT
 
@@ -28,6 +28,12 @@ class Workload:
     (lower is served first under the priority order), a prefix group (``NO_PREFIX`` when it shares none)
     and a standard-normal draw that a noisy output-length predictor scales (see the sjf queue order).
     Those default to one tenant, priority 0, no prefix and no prediction error.
+
+    A closed-loop workload also has ``session`` (the session of each request; a session's calls are
+    consecutive rows in call order, sessions in order of their start) and ``think_s`` (for each call after
+    a session's first, the seconds from its predecessor's finish or rejection to its arrival; 0 for first
+    calls). Its ``arrival_s`` is then each call's session start: only a first call arrives then, the others
+    when the simulation releases them (``RequestOutcomes.arrival_s``).
     """
 
     arrival_s: np.ndarray       # float64, non-decreasing, seconds on the workload's own clock
@@ -45,6 +51,8 @@ class Workload:
     hash_offsets: Optional[np.ndarray] = None   # int64 [n + 1]; None when the workload has no block hashes
     hash_ids: Optional[np.ndarray] = None       # int64
     hash_block_tokens: int = 512
+    session: Optional[np.ndarray] = None   # int64 session index per request; None: open-loop arrivals
+    think_s: Optional[np.ndarray] = None   # float64 seconds, with session
 
     def __post_init__(self) -> None:
         n = len(self.arrival_s)
@@ -61,10 +69,25 @@ class Workload:
             raise ValueError("workload arrivals must be sorted")
         if n and not (0 <= self.tenant.min() and self.tenant.max() < len(self.tenant_names)):
             raise ValueError("workload tenants must index tenant_names")
+        if (self.session is None) != (self.think_s is None):
+            raise ValueError("a closed-loop workload needs both session and think_s")
+        if self.session is not None:
+            if len(self.session) != n or len(self.think_s) != n:
+                raise ValueError("workload arrays must have equal lengths")
+            steps = np.diff(self.session)
+            if n and (self.session[0] != 0 or np.any((steps != 0) & (steps != 1))):
+                raise ValueError("a closed-loop workload's sessions must be numbered 0, 1, ... in row order")
+            first_call = np.concatenate([[True], steps == 1]) if n else np.zeros(0, bool)
+            if np.any(self.think_s[first_call] != 0) or np.any(self.think_s[~first_call] <= 0):
+                raise ValueError("think_s must be 0 for a session's first call and positive for the others")
 
     @property
     def num_requests(self) -> int:
         return len(self.arrival_s)
+
+    @property
+    def closed_loop(self) -> bool:
+        return self.session is not None
 
     @classmethod
     def from_lists(cls, arrival_s, prompt_tokens, output_tokens, description: str = "") -> "Workload":
@@ -198,6 +221,31 @@ def _prefix_block_hashes(workload: Workload, tenants) -> Workload:
                                hash_block_tokens=unit)
 
 
+def _sessions_text(sessions: SessionsConfig, starts_text: str) -> str:
+    think = sessions.think_s
+    think_text = f"{think:g} s" if isinstance(think, float) else f"{think[0]:g}-{think[1]:g} s"
+    history = ", prompts carrying the session's history" if sessions.history else ""
+    return f"sessions of {sessions.calls} calls, {think_text} between calls{history}, started by {starts_text.replace(' req/s', ' sessions/s')}"
+
+
+def _with_history(workload: Workload, calls: int) -> np.ndarray:
+    """Each call's prompt after the session's earlier prompts and answers, as an agent resends its conversation."""
+    own = workload.prompt_tokens.reshape(-1, calls)
+    turns = own + workload.output_tokens.reshape(-1, calls)
+    earlier = np.cumsum(turns, axis=1) - turns
+    return (own + earlier).reshape(-1)
+
+
+def _think_times(sessions: SessionsConfig, n: int, rng: np.random.Generator) -> np.ndarray:
+    """Per call, the seconds from its predecessor's end to its arrival (0 for first calls), rounded to float32
+    as the engine holds them, so that both simulators add the same think time."""
+    think = sessions.think_s
+    draws = np.full(n, think) if isinstance(think, float) else rng.uniform(think[0], think[1], size=n)
+    draws = draws.astype(np.float32).astype(np.float64)
+    draws[::sessions.calls] = 0.0
+    return draws
+
+
 def build_workload(cfg: WorkloadConfig) -> Workload:
     """The workload a validated config describes; the same config (and seed) always gives the same arrays."""
     # One generator, drawn in a fixed order: arrivals, tenants, lengths, prefix groups, and the length
@@ -205,16 +253,30 @@ def build_workload(cfg: WorkloadConfig) -> Workload:
     # predictor draws exactly what it did before those existed.
     rng = np.random.default_rng(cfg.seed)
     cfg = cfg if cfg.lengths is not None else dataclasses.replace(cfg, lengths=LengthsConfig(kind="trace"))
-    arrivals = ARRIVAL_SOURCES[cfg.arrivals.kind](cfg, rng)
+    sessions = cfg.sessions
+    if sessions is None:
+        arrivals = ARRIVAL_SOURCES[cfg.arrivals.kind](cfg, rng)
+    else:
+        starts = ARRIVAL_SOURCES[cfg.arrivals.kind](
+            dataclasses.replace(cfg, num_requests=None if cfg.num_requests is None
+                                else cfg.num_requests // sessions.calls), rng)
+        arrivals = starts._replace(arrival_s=np.repeat(starts.arrival_s, sessions.calls),
+                                   description=_sessions_text(sessions, starts.description))
     if arrivals.trace is None:
         workload, requests_text = _generated_requests(cfg, arrivals, rng)
     else:
         workload, requests_text = _replayed_requests(cfg, arrivals, rng)
+    if sessions is not None and sessions.history:
+        workload = dataclasses.replace(workload, prompt_tokens=_with_history(workload, sessions.calls))
     prompt, output, clipped = cut_to_max_model_len(workload.prompt_tokens, workload.output_tokens, cfg.max_model_len)
     if cfg.max_model_len is not None:
         requests_text += f", max_model_len {cfg.max_model_len} ({clipped} requests cut)"
     elif clipped:
         requests_text += f", {clipped} requests cut to the {MAX_TOKEN_COUNT}-token limit"
+    if sessions is not None:
+        workload = dataclasses.replace(workload, session=np.repeat(np.arange(workload.num_requests // sessions.calls),
+                                                                   sessions.calls),
+                                       think_s=_think_times(sessions, workload.num_requests, rng))
     workload = dataclasses.replace(
         workload, prompt_tokens=prompt, output_tokens=output, clipped=clipped,
         prediction_z=rng.standard_normal(workload.num_requests),

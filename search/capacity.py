@@ -46,9 +46,11 @@ def scale_arrivals(config: Config, scale: float) -> Config:
 
 
 def offered_rate(config: Config, evaluator: BatchEvaluator) -> float:
-    """Requests per second: a Poisson workload's rate, or a trace's mean rate over its span."""
+    """Requests per second: a Poisson workload's rate, or a trace's mean rate over its span. With sessions, the
+    arrivals start sessions and every session's calls arrive in time: calls per session times that rate."""
     if config.workload.arrivals.kind == "poisson":
-        return config.workload.arrivals.rate
+        sessions = config.workload.sessions
+        return config.workload.arrivals.rate * (1 if sessions is None else sessions.calls)
     arrival_s = evaluator.workload(config).arrival_s
     span = float(arrival_s[-1] - arrival_s[0]) if len(arrival_s) > 1 else 0.0
     return (len(arrival_s) - 1) / span if span > 0 else float("inf")

@@ -66,6 +66,15 @@ class TenantConfig:
 
 
 @dataclass(frozen=True)
+class SessionsConfig:
+    """Closed-loop agent sessions: the arrival process starts sessions; each next call of a session arrives
+    ``think_s`` after the previous call finished (or was rejected)."""
+    calls: int = 2                   # calls per session; num_requests counts calls and is a multiple of it
+    think_s: Any = 1.0               # the tool's time between calls: a number > 0, or [low, high] drawn uniformly
+    history: bool = False            # each call's prompt also carries the session's earlier prompts and answers
+
+
+@dataclass(frozen=True)
 class WorkloadConfig:
     arrivals: ArrivalsConfig = field(default_factory=ArrivalsConfig)
     lengths: Optional[LengthsConfig] = field(default_factory=LengthsConfig)
@@ -73,6 +82,7 @@ class WorkloadConfig:
     seed: int = 0
     max_model_len: Optional[int] = None   # prompt + output cut to this many tokens; cuts are counted
     tenants: Any = None              # a list of TenantConfig mappings; null: one tenant
+    sessions: Optional[SessionsConfig] = None   # null: open-loop arrivals, every request on its own
 
 
 @dataclass(frozen=True)

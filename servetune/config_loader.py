@@ -90,6 +90,7 @@ FIELD_RANGES: dict[str, Range] = {
     "workload.tenants.max_rate": POSITIVE,
     "workload.tenants.max_burst": AT_LEAST_ONE,
     "workload.num_requests": AT_LEAST_ONE,
+    "workload.sessions.calls": AT_LEAST_ONE,
     "workload.seed": NON_NEGATIVE,   # numpy's default_rng takes no negative seeds
     "scheduler.max_num_seqs": AT_LEAST_ONE,
     "scheduler.max_num_batched_tokens": AT_LEAST_ONE,
@@ -618,7 +619,66 @@ def _check_workload(workload: WorkloadConfig, report: _Reporter, base_dir: Path)
             )
         workload = dataclasses.replace(workload, lengths=LengthsConfig(kind="trace"))
     lengths = _check_lengths(workload.lengths, workload.arrivals.kind, report, base_dir)
-    return _check_tenants(dataclasses.replace(workload, lengths=lengths), report, base_dir)
+    workload = _check_tenants(dataclasses.replace(workload, lengths=lengths), report, base_dir)
+    return _check_sessions(workload, report)
+
+
+# A think time puts a call's arrival strictly after the event that released it, on either simulator's clock,
+# so a released call never competes with the arrivals of the step boundary that released it. A microsecond is
+# also requests.csv's resolution.
+MIN_THINK_S = 1e-6
+
+
+def _check_sessions(workload: WorkloadConfig, report: _Reporter) -> WorkloadConfig:
+    """Sessions need generated session starts and whole sessions; ``think_s`` is a positive number or a
+    [low, high] range (kept as a tuple). Tenants are refused: which tenant a session belongs to, and how its
+    rate limit meets calls that arrive only once served, are not modelled."""
+    sessions = workload.sessions
+    if sessions is None:
+        return workload
+    if workload.arrivals.kind == "trace":
+        raise report.bad_value("workload.arrivals.kind", "trace", "a generated kind with workload.sessions (the "
+                                                                  "arrival process starts the sessions)")
+    if workload.tenants is not None:
+        raise report.error("workload.tenants", "expected none with workload.sessions (sessions have no tenants)")
+    if workload.num_requests is not None and workload.num_requests % sessions.calls:
+        raise report.bad_value("workload.num_requests", workload.num_requests,
+                               f"a multiple of workload.sessions.calls ({sessions.calls}): it counts calls")
+    think = sessions.think_s
+    low = MIN_THINK_S
+    key = "workload.sessions.think_s"
+    expected = f"seconds: a number ≥ {low:g}, or [low, high] with {low:g} ≤ low ≤ high"
+    if _has_type(think, float):
+        if not think >= low:
+            raise report.bad_value(key, think, expected)
+        think = float(think)
+    elif isinstance(think, (list, tuple)) and len(think) == 2 and all(_has_type(v, float) for v in think):
+        if not low <= think[0] <= think[1]:
+            raise report.bad_value(key, think, expected)
+        think = (float(think[0]), float(think[1]))
+    else:
+        raise report.bad_value(key, think, expected)
+    return dataclasses.replace(workload, sessions=dataclasses.replace(sessions, think_s=think))
+
+
+# The scheduler fields closed-loop sessions fix, and the value they must keep (a search may not vary them).
+_CLOSED_LOOP_ONLY = {"scheduler.queue_order": "fcfs", "scheduler.enable_prefix_caching": False}
+
+
+def _check_closed_loop_scheduler(config: Config, report: _Reporter) -> None:
+    """What closed-loop sessions do not combine with: scored queue orders read arrival times fixed before
+    the run, and the prefix cache is replayed in arrival order before it; a call's arrival is known only
+    once its predecessor finished."""
+    if config.workload.sessions is None:
+        return
+    scheduler = config.scheduler
+    if scheduler.queue_order != "fcfs":
+        raise report.bad_value("scheduler.queue_order", scheduler.queue_order,
+                               "fcfs with workload.sessions (scored orders need arrivals known in advance)")
+    if scheduler.enable_prefix_caching:
+        raise report.bad_value("scheduler.enable_prefix_caching", True,
+                               "false with workload.sessions (the cache is replayed in arrival order, known "
+                               "only during the run)")
 
 
 def _check_cross_field(config: Config, report: _Reporter, base_dir: Path) -> Config:
@@ -632,6 +692,7 @@ def _check_cross_field(config: Config, report: _Reporter, base_dir: Path) -> Con
         raise report.bad_value("cost_model.profile", None, "a fitted profile for the calibrated cost model")
     config = dataclasses.replace(config, scheduler=_check_queue_order(scheduler, report))
     config = dataclasses.replace(config, workload=_check_workload(config.workload, report, base_dir))
+    _check_closed_loop_scheduler(config, report)
     config = dataclasses.replace(config, search=_check_search(config, report, base_dir))
     return dataclasses.replace(config, rl=_check_rl(config.rl, report))
 
@@ -787,7 +848,11 @@ def _check_scenarios(config: Config, scenarios: Any, report: _Reporter, base_dir
 def _check_search(config: Config, report: _Reporter, base_dir: Path) -> SearchConfig:
     search = config.search
     knobs = None if search.knobs is None else _check_knobs(search.knobs, report)
-    for key, _ in knobs or ():
+    for key, knob in knobs or ():
+        if config.workload.sessions is not None and key in _CLOSED_LOOP_ONLY:
+            allowed = _CLOSED_LOOP_ONLY[key]
+            if knob.choices is None or set(knob.choices) - {allowed}:
+                raise report.error(f"search.knobs.{key}", f"may only be {_show(allowed)} with workload.sessions")
         if key.startswith(WEIGHTS_KEY + ".") and config.scheduler.queue_order != "weighted":
             raise report.error(f"search.knobs.{key}", f"searches a weight of the weighted queue order, but "
                                                       f"scheduler.queue_order is {config.scheduler.queue_order}")

@@ -12,6 +12,7 @@ from servetune.config import (
     HardwareConfig,
     LengthsConfig,
     SchedulerConfig,
+    SessionsConfig,
     SloConfig,
     TenantConfig,
     WorkloadConfig,
@@ -494,6 +495,63 @@ def test_servegen_and_empirical_paths_resolve_against_the_config_folder(tmp_path
     assert workload.arrivals.path == str(tmp_path / "trace.csv")
     assert workload.lengths.path == str(tmp_path / "lengths.csv")
     assert workload.num_requests == 2000   # a cap on the generated requests, as for the other generated kinds
+
+
+AGENT = {"arrivals": {"kind": "poisson", "rate": 0.5}, "num_requests": 12, "sessions": {"calls": 3, "think_s": 2}}
+
+
+def test_sessions_become_frozen_typed_values():
+    workload = config_from_dict({"workload": AGENT}).workload
+    assert workload.sessions == SessionsConfig(calls=3, think_s=2.0, history=False)
+    assert isinstance(workload.sessions.think_s, float)
+    ranged = config_from_dict({"workload": {**AGENT, "sessions": {"calls": 4, "think_s": [1, 3], "history": True}}})
+    assert ranged.workload.sessions == SessionsConfig(calls=4, think_s=(1.0, 3.0), history=True)
+    hash(ranged.workload)
+    recorded = json.loads(json.dumps(ranged.to_dict()))
+    assert config_from_dict(recorded) == ranged
+    assert config_from_dict({}).workload.sessions is None
+
+
+def with_sessions(**sessions) -> dict:
+    return {"workload": {**AGENT, "sessions": {**AGENT["sessions"], **sessions}}}
+
+
+@pytest.mark.parametrize(
+    "data, expected",
+    [
+        (with_sessions(calls=0), "workload.sessions.calls: got 0, expected an integer ≥ 1"),
+        (with_sessions(calls=2.5), "workload.sessions.calls: got 2.5, expected an integer ≥ 1"),
+        (with_sessions(think_s=0), "workload.sessions.think_s: got 0, expected seconds: a number ≥ 1e-06, or "
+                                   "[low, high] with 1e-06 ≤ low ≤ high"),
+        (with_sessions(think_s=-1.5), "workload.sessions.think_s: got -1.5, expected seconds"),
+        (with_sessions(think_s=[3, 1]), "workload.sessions.think_s: got [3, 1], expected seconds"),
+        (with_sessions(think_s=[0, 1]), "workload.sessions.think_s: got [0, 1], expected seconds"),
+        (with_sessions(think_s=[1, 2, 3]), "workload.sessions.think_s: got [1, 2, 3], expected seconds"),
+        (with_sessions(think_s="fast"), "workload.sessions.think_s: got 'fast', expected seconds"),
+        (with_sessions(think_s=None), "workload.sessions.think_s: got null, expected seconds"),
+        (with_sessions(think_s=float("inf")), "workload.sessions.think_s: got .inf, expected seconds"),
+        (with_sessions(history="yes"), "workload.sessions.history: got 'yes', expected true or false"),
+        (with_sessions(turns=3), "workload.sessions.turns: unknown key; expected one of calls, think_s, history"),
+        ({"workload": {**AGENT, "sessions": 3}},
+         "workload.sessions: got 3, expected a mapping with keys calls, think_s, history"),
+        ({"workload": {**AGENT, "num_requests": 10}},
+         "workload.num_requests: got 10, expected a multiple of workload.sessions.calls (3): it counts calls"),
+        ({"workload": {**AGENT, "tenants": [{"name": "a"}]}},
+         "workload.tenants: expected none with workload.sessions (sessions have no tenants)"),
+        ({"workload": {**AGENT, "arrivals": {"kind": "trace", "path": "tiny_processed.csv", "format": "processed"}}},
+         "workload.arrivals.kind: got 'trace', expected a generated kind with workload.sessions"),
+        ({"workload": AGENT, "scheduler": {"queue_order": "edf"}},
+         "scheduler.queue_order: got 'edf', expected fcfs with workload.sessions"),
+        ({"workload": AGENT, "scheduler": {"enable_prefix_caching": True}},
+         "scheduler.enable_prefix_caching: got true, expected false with workload.sessions"),
+        ({"workload": AGENT, "search": {"knobs": {"scheduler.queue_order": {"choices": ["fcfs", "sjf"]}}}},
+         "search.knobs.scheduler.queue_order: may only be 'fcfs' with workload.sessions"),
+        ({"workload": AGENT, "search": {"knobs": {"scheduler.enable_prefix_caching": {"choices": [True, False]}}}},
+         "search.knobs.scheduler.enable_prefix_caching: may only be false with workload.sessions"),
+    ],
+)
+def test_bad_sessions_are_named(data, expected):
+    assert config_error(data, base_dir=FIXTURES).startswith(f"c.yaml: {expected}")
 
 
 def test_cross_field_rules():

@@ -344,6 +344,8 @@ def test_clear_errors():
         gym.make(CONTROL, config=CHAT, overrides=["scheduler.policy=static"])
     with pytest.raises(ValueError, match="interval_s"):
         gym.make(CONTROL, config=CHAT, interval_s=0)
+    with pytest.raises(ValueError, match="workload.sessions"):
+        gym.make(CONTROL, config=CHAT, overrides=["workload.sessions={calls: 2, think_s: 1.0}"])
     with pytest.raises(ValueError, match="knob_bounds"):
         gym.make(CONTROL, config=CHAT, bounds={"max_num_seqs": (8, 4)})
     env = gym.make(CONTROL, **SMALL)

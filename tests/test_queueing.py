@@ -11,6 +11,11 @@ Each estimate is the mean over RUNS independent seeds of a run's mean latency (i
 requests dropped, since every run starts empty); the standard error comes from the spread of those RUNS
 means. A test asserts the estimate is within 4 standard errors of theory, that those errors are small
 enough for that to mean something, and a plain relative bound.
+
+Closed-loop agent sessions make a closed system: N sessions, each alternating a call (its response time R)
+and a think time (Z). Over a run, the interactive response time law R = N/X - Z (X the throughput) and
+Little's law hold whatever the service times; one session alone never queues, so each call's response
+time is its bare service time.
 """
 from __future__ import annotations
 
@@ -123,3 +128,63 @@ def test_littles_law_with_continuous_batching():
     assert in_system == pytest.approx(throughput * time_in_system, rel=1e-4), (
         f"L = {in_system:.6f} requests, lambda W = {throughput:.4f}/s x {time_in_system:.6f} s "
         f"= {throughput * time_in_system:.6f} over {duration:.3f} s")
+
+
+def closed_system(num_sessions: int, calls: int, mean_think_s: float, seed: int) -> Workload:
+    """``num_sessions`` sessions of ``calls`` one-token-prompt calls with geometric outputs (mean MEAN_OUTPUT),
+    starting within the first step; think times uniform on [Z/2, 3Z/2]."""
+    rng = np.random.default_rng(seed)
+    n = num_sessions * calls
+    starts = np.sort(rng.uniform(0.0, STEP_S, size=num_sessions))
+    think = rng.uniform(0.5 * mean_think_s, 1.5 * mean_think_s, size=n).astype(np.float32).astype(np.float64)
+    think[::calls] = 0.0
+    return Workload(np.repeat(starts, calls), np.ones(n, np.int64), rng.geometric(1.0 / MEAN_OUTPUT, size=n),
+                    session=np.repeat(np.arange(num_sessions), calls), think_s=think)
+
+
+@pytest.mark.parametrize("mean_think_s", [0.25, 1.0])   # saturated (N S / (S + Z) = 1.6) and not (0.5)
+def test_closed_system_obeys_the_response_time_law_and_littles_law(mean_think_s):
+    """8 sessions of 250 calls on one seat.
+
+    The law R = N/X - Z holds exactly over a window in which every session cycles throughout, but for the
+    window's two edges: at most a cycle per session each, out of about 200 cycles per session in the window
+    (sessions drift apart over a run, as their random think times add up, so the window is from the last
+    session's first completion to the first session's last). Asserted to 1% of N/X = R + Z. Little's law
+    is exact over the whole run (calls are in the system from arrival to finish, and all complete) but for
+    the engine's float32 running sum: 1e-4, as for open arrivals.
+    """
+    num_sessions, calls = 8, 250
+    workload = closed_system(num_sessions, calls, mean_think_s, seed=int(mean_think_s * 100))
+    out = simulate_workload(workload, ONE_SEAT, step_time_s, linear(STEP_S))
+    r, totals = out.requests, out.totals
+    assert np.all(r.status == COMPLETED)
+    finish_by_session = r.finish_s.reshape(num_sessions, calls)
+    start, end = finish_by_session[:, 0].max(), finish_by_session[:, -1].min()
+    window = (r.finish_s > start) & (r.finish_s <= end)
+    assert window.sum() > 0.75 * workload.num_requests
+    throughput = window.sum() / (end - start)
+    response_s = float(np.mean((r.finish_s - r.arrival_s)[window]))
+    think_s = float(np.mean(workload.think_s[window]))
+    cycle_s = num_sessions / throughput
+    assert abs(response_s - (cycle_s - think_s)) < 0.01 * cycle_s, (
+        f"R = {response_s:.4f} s, N/X - Z = {num_sessions} / {throughput:.4f} - {think_s:.4f} = {cycle_s - think_s:.4f}")
+    # The asymptotic bounds: the seat serves one call at a time, and a session has one call out at a time.
+    service_s = float(np.mean(workload.output_tokens[window])) * STEP_S
+    assert throughput <= (1 + 0.01) / service_s
+    assert response_s >= max(service_s, num_sessions * service_s - think_s) - 0.01 * cycle_s
+    duration = totals.end_s - float(np.min(r.arrival_s))
+    in_system = totals.in_system_seconds / duration
+    mean_response_s = float(np.mean(r.finish_s - r.arrival_s))
+    assert in_system == pytest.approx(workload.num_requests / duration * mean_response_s, rel=1e-4)
+
+
+def test_one_session_alone_sees_its_bare_service_time(simulator):
+    """With no one else in the system, call j waits for nothing: it arrives think_j after call j - 1 finished,
+    takes one step of D for its prompt and first token and one per further token: R_j = O_j D."""
+    workload = closed_system(1, 40, 0.5, seed=3)
+    out = simulator(workload, ONE_SEAT, step_time_s, linear(STEP_S))
+    r = out.requests
+    assert np.all(r.status == COMPLETED)
+    assert r.finish_s - r.arrival_s == pytest.approx(workload.output_tokens * STEP_S, rel=1e-6)
+    assert r.first_token_s - r.arrival_s == pytest.approx(np.full(40, STEP_S), rel=1e-6)
+    assert r.arrival_s[1:] == pytest.approx(r.finish_s[:-1] + workload.think_s[1:], rel=1e-7)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from servetune.config_loader import load_config
@@ -37,3 +38,14 @@ def test_multi_tenant_scenario_reports_each_tenant_against_its_class_slo():
     assert set(tenants) == {"batch", "product", "startup"}
     assert tenants["batch"]["ttft_slo_ms"] == 30000 and tenants["product"]["ttft_slo_ms"] == 1500
     assert sum(segment["arrived"] for segment in tenants.values()) == 400
+
+
+def test_agent_scenario_calls_arrive_a_tool_run_after_their_predecessors_finish():
+    """Sessions of 5 calls, each arriving 0.5-3 s after the previous one finished; prompts carry the history."""
+    report = simulate_config(load_config(SCENARIOS / "agent_tool_calls.yaml", SHORT))
+    r, workload = report.outcome.requests, report.workload
+    follows = workload.think_s > 0
+    assert follows.sum() == 400 - 400 // 5
+    waited = r.arrival_s[follows] - np.roll(r.finish_s, 1)[follows]
+    assert np.all((waited >= 0.5 - 1e-6) & (waited <= 3.0 + 1e-6))
+    assert np.all(workload.prompt_tokens[follows] > np.roll(workload.prompt_tokens, 1)[follows])

@@ -14,8 +14,8 @@ from servetune.envs.simulator import simulate_workload
 from servetune.envs.workload import build_workload
 from servetune.errors import UserError
 from servetune.pipeline import resolve
-from servetune.search.capacity import find_capacity
-from servetune.search.evaluate import use_persistent_compilation_cache
+from servetune.search.capacity import find_capacity, offered_rate
+from servetune.search.evaluate import BatchEvaluator, use_persistent_compilation_cache
 
 TOLERANCE = 0.02
 
@@ -73,3 +73,11 @@ def test_slos_that_never_bind_or_always_miss_are_reported():
         find_capacity(_config(ttft_ms=1))
     with pytest.raises(UserError, match="--tolerance: got 0, expected a fraction in"):
         find_capacity(_config(ttft_ms=800), tolerance=0)
+
+
+def test_the_offered_rate_of_sessions_counts_their_calls():
+    # 4 sessions a second of 5 calls each: every call arrives in time, 20 a second.
+    sessions = config_from_dict({"workload": {"arrivals": {"kind": "poisson", "rate": 4.0}, "num_requests": 300,
+                                              "sessions": {"calls": 5, "think_s": 1.0}}})
+    assert offered_rate(sessions, BatchEvaluator()) == 20.0
+    assert offered_rate(_config(), BatchEvaluator()) == 4.0

@@ -58,6 +58,7 @@ def _hand_built() -> tuple[Workload, SimulationOutcome]:
     )
     requests = RequestOutcomes(
         status=np.array(STATUS),
+        arrival_s=np.where(np.array(STATUS) != NOT_ARRIVED, workload.arrival_s, nan),
         reject_reason=np.array([REJECT_NONE] * 3 + [REJECT_KV_CAPACITY] + [REJECT_NONE] * 3),
         first_token_s=np.array([0.05, 1.08, 5.2, nan, 13.03, 25.1, nan]),
         finish_s=np.array([0.15, 1.12, 5.2, nan, 13.05, nan, nan]),

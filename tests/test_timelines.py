@@ -7,13 +7,16 @@ boundary, "c" computed tokens, "g" emitted tokens, "h" blocks held, "free" the f
 """
 from __future__ import annotations
 
+import csv
 import math
 
 import numpy as np
 import pytest
 
-from conftest import linear, scheduler_config
+from conftest import linear, scheduler_config, uniform_slos
+from servetune.config import SloConfig
 from servetune.cost_models.linear import step_time_s
+from servetune.envs.metrics import compute_metrics, segment_metrics, write_requests_csv
 from servetune.envs.outcome import (
     COMPLETED,
     ITL_HIST_BINS,
@@ -431,3 +434,142 @@ def test_step_batch_counts_prefill_chunks_and_decodes(simulator):
     # t=4.76485  decode R0 c=5: context 6  d = 1.106                      -> t=5.87085  R0 done
     out = simulate(simulator, [(0.0, 4, 3), (0.0, 1, 2)], cost_fn=probe_step_time, long_prefill_token_threshold=2)
     assert_requests(out, first=[3.65985, 2.03325], finish=[5.87085, 3.65985], status=[COMPLETED] * 2)
+
+
+def test_a_burst_larger_than_one_iterations_arrivals_counts_each_gap_once(simulator):
+    # Every step 0.01 s. R0-R3 (P=4, O=200) take all 4 seats at t=0; 30 requests (P=4, O=2) arrive together
+    # at 0.5, mid-decode: more than the engine processes in one loop iteration (16), while nobody can be
+    # admitted. R0-R3 emit at steps 1..200 (199 gaps each) and finish at t=2.00; then the 30 go 4 at a time,
+    # prefill then decode (1 gap each): 8 groups of 2 steps, ending at 2.16. 4 * 199 + 30 = 826 gaps, all 0.01.
+    out = simulate(simulator, [(0.0, 4, 200)] * 4 + [(0.5, 4, 2)] * 30, cost=linear(0.01), max_num_seqs=4)
+    assert np.all(out.requests.status == COMPLETED)
+    assert out.totals.steps == 216
+    assert out.totals.end_s == pytest.approx(2.16, rel=1e-6)
+    expected = np.bincount(itl_bin_index(np.full(826, 0.01)), minlength=ITL_HIST_BINS)
+    assert np.array_equal(np.asarray(out.totals.itl_histogram), expected)
+
+
+# Closed-loop agent sessions ----------------------------------------------------------------------------
+
+
+def session_workload(sessions) -> Workload:
+    """``sessions`` -- (start_s, [(prompt, output), (think_s, prompt, output), ...]) each: a first call, then
+    calls arriving think_s after the previous one ended -- as a workload; ids number the calls session by
+    session."""
+    arrival, prompt, output, session, think = [], [], [], [], []
+    for index, (start, calls) in enumerate(sessions):
+        for position, call in enumerate(calls):
+            wait, p, o = (0.0, *call) if position == 0 else call
+            arrival.append(start)
+            prompt.append(p)
+            output.append(o)
+            session.append(index)
+            think.append(wait)
+    return Workload(np.array(arrival, float), np.array(prompt), np.array(output),
+                    session=np.array(session), think_s=np.array(think, float))
+
+
+def simulate_sessions(simulator, sessions, horizon_s=None, cost=BASE_COST, **scheduler):
+    """Run ``sessions`` (see session_workload) through ``simulator``."""
+    return simulator(session_workload(sessions), scheduler_config(**scheduler), step_time_s, cost,
+                     horizon_s=horizon_s)
+
+
+AGENTS = [(0.0, [(100, 2), (0.5, 50, 1), (0.25, 10, 1)]),   # A0, A1, A2 (ids 0, 1, 2)
+          (0.5, [(10, 3), (1.0, 20, 2)])]                   # B0, B1 (ids 3, 4)
+
+
+def test_each_call_arrives_its_think_time_after_the_previous_one_finished(simulator):
+    # t=0     A0 arrives; prefill 100              d = 2.00 -> t=2.00  A0 first token
+    # t=2.00  B0 (arrived 0.5); A0 decode + B0 10  d = 1.11 -> t=3.11  A0 done; B0 first token
+    #         A1 is released: it arrives at 3.11 + 0.5 = 3.61
+    # t=3.11  B0 decode                            d = 1.01 -> t=4.12
+    # t=4.12  A1 (arrived 3.61); B0 decode + A1 50 d = 1.51 -> t=5.63  B0 done, A1 done (O=1)
+    #         A2 arrives at 5.63 + 0.25 = 5.88, B1 at 5.63 + 1.0 = 6.63
+    # idle    jump to 5.88
+    # t=5.88  A2 prefill 10                        d = 1.10 -> t=6.98  A2 done
+    # t=6.98  B1 (arrived 6.63) prefill 20         d = 1.20 -> t=8.18  B1 first token
+    # t=8.18  B1 decode                            d = 1.01 -> t=9.19  B1 done
+    out = simulate_sessions(simulator, AGENTS, max_num_seqs=8)
+    assert list(out.requests.arrival_s) == approx([0.0, 3.61, 5.88, 0.5, 6.63])
+    assert_requests(out, first=[2.00, 5.63, 6.98, 3.11, 8.18], finish=[3.11, 5.63, 6.98, 5.63, 9.19],
+                    status=[COMPLETED] * 5)
+    assert out.totals.end_s == pytest.approx(9.19, rel=1e-6)
+    assert out.totals.steps == 7
+    # In system from each call's own arrival: 3.11 + (5.63 - 3.61) + (6.98 - 5.88) + (5.63 - 0.5) + (9.19 - 6.63)
+    # = 3.11 + 2.02 + 1.10 + 5.13 + 2.56
+    assert out.totals.in_system_seconds == pytest.approx(13.92, rel=1e-6)
+
+
+def test_metrics_and_requests_csv_measure_from_each_calls_actual_arrival(simulator, tmp_path):
+    # The timeline above. TTFT: A0 2.00, A1 5.63 - 3.61 = 2.02, A2 6.98 - 5.88 = 1.10, B0 3.11 - 0.5 = 2.61,
+    # B1 8.18 - 6.63 = 1.55: mean 9.28 / 5 = 1.856 s. E2EL: 3.11, 2.02, 1.10, 5.13, 2.56: mean 2.784 s.
+    # Within a 2,050 ms TTFT SLO: all but B0. Duration: from the first arrival (0) to the end (9.19).
+    workload = session_workload(AGENTS)
+    out = simulator(workload, scheduler_config(max_num_seqs=8), step_time_s, BASE_COST)
+    slos = uniform_slos(SloConfig(ttft_ms=2050.0), workload.num_requests)
+    metrics = compute_metrics(workload, out, slos, num_kv_blocks=8192)
+    assert metrics["mean_ttft_ms"] == pytest.approx(1856.0, rel=1e-6)
+    assert metrics["mean_e2el_ms"] == pytest.approx(2784.0, rel=1e-6)
+    assert metrics["duration_s"] == pytest.approx(9.19, rel=1e-6)
+    assert metrics["good"] == 4
+    # 5 s windows by actual arrival: A0, B0 and A1 (3.61) in the first; A2 (5.88) and B1 (6.63) in the second.
+    windows = segment_metrics(workload, out, slos, window_s=5.0)["time_window"]
+    assert {name: segment["arrived"] for name, segment in windows.items()} == {"0-5s": 3, "5-10s": 2}
+    write_requests_csv(tmp_path / "requests.csv", workload, out)
+    with open(tmp_path / "requests.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [row["arrival_s"] for row in rows] == ["0.000000", "3.610000", "5.880000", "0.500000", "6.630000"]
+
+
+def test_a_call_unfinished_at_the_horizon_holds_back_the_rest_of_its_session(simulator):
+    # As above to t=3.11 < horizon 3.5: B0's decode runs to 4.12. A1 was released to arrive at 3.61, at or
+    # after the horizon: it never arrives, nor does A2; B0 is unfinished (2 of 3 tokens), so B1 never comes.
+    out = simulate_sessions(simulator, AGENTS, horizon_s=3.5, max_num_seqs=8)
+    assert list(out.requests.status) == [COMPLETED, NOT_ARRIVED, NOT_ARRIVED, UNFINISHED, NOT_ARRIVED]
+    assert list(out.requests.arrival_s) == approx([0.0, NAN, NAN, 0.5, NAN])
+    assert list(out.requests.generated_tokens) == [2, 0, 0, 2, 0]
+    assert_accounting(out, arrived=2)
+
+
+TOOLS = [(0.0, [(10, 2), (0.5, 100, 1), (0.5, 10, 1)]),   # X0, X1 (rejected: 100 tokens > 4 blocks of 16), X2
+         (0.2, [(200, 1), (0.3, 5, 1)])]                  # Y0 (rejected), Y1
+
+
+def test_a_rejected_call_releases_the_next_one_from_the_boundary_that_rejected_it(simulator):
+    # 4 KV blocks of 16 tokens: a call whose P + O - 1 tops 64 tokens is rejected (kv_capacity).
+    # t=0     X0 prefill 10                        d = 1.10 -> t=1.10  X0 first token
+    # t=1.10  Y0 (arrived 0.2) rejected: Y1 arrives at 1.10 + 0.3 = 1.40. X0 decode d = 1.01 -> t=2.11  X0 done
+    #         X1 arrives at 2.11 + 0.5 = 2.61
+    # t=2.11  Y1 (arrived 1.40) prefill 5          d = 1.05 -> t=3.16  Y1 done
+    # t=3.16  X1 (arrived 2.61) rejected: X2 arrives at 3.16 + 0.5 = 3.66; nothing to run: idle to 3.66
+    # t=3.66  X2 prefill 10                        d = 1.10 -> t=4.76  X2 done
+    out = simulate_sessions(simulator, TOOLS, num_kv_blocks=4, block_size=16)
+    assert list(out.requests.arrival_s) == approx([0.0, 2.61, 3.66, 0.2, 1.40])
+    assert_requests(out, first=[1.10, NAN, 4.76, NAN, 3.16], finish=[2.11, NAN, 4.76, NAN, 3.16],
+                    status=[COMPLETED, REJECTED, COMPLETED, REJECTED, COMPLETED])
+    assert list(out.requests.reject_reason) == [REJECT_NONE, REJECT_KV_CAPACITY, REJECT_NONE, REJECT_KV_CAPACITY,
+                                                REJECT_NONE]
+    # With a horizon of 3.5, X2's release at 3.66 is past it: the idle jump stops at 3.5 and X2 never arrives.
+    cut = simulate_sessions(simulator, TOOLS, horizon_s=3.5, num_kv_blocks=4, block_size=16)
+    assert list(cut.requests.status) == [COMPLETED, REJECTED, NOT_ARRIVED, REJECTED, COMPLETED]
+    assert cut.totals.end_s == pytest.approx(3.5, rel=1e-6)
+    assert_accounting(cut, arrived=4)
+
+
+def test_released_calls_join_the_queue_in_arrival_order_then_by_id(simulator):
+    # One seat, every step 1 s (base 1, nothing per token). Ids: S0 calls 0, 1; S1 calls 2, 3; S2 call 4.
+    # t=0  0, 2, 4 arrive together: queue [0, 2, 4] (ties by id); 0 runs -> t=1 done; 1 arrives 1 + think
+    # t=1  2 runs -> t=2 done; 3 arrives 2 + think
+    # t=2  4 (O=3) runs three steps -> t=5
+    # Thinks 3.0 and 0.5: 1 arrives at 4.0, 3 at 2.5; at t=5 the queue is [3, 1]: 3 runs -> 6, 1 -> 7.
+    # Thinks 2.0 and 1.0: both arrive at 3.0 exactly; the tie goes to the lower id: 1 runs -> 6, 3 -> 7.
+    def sessions(think_0, think_1):
+        return [(0.0, [(1, 1), (think_0, 1, 1)]), (0.0, [(1, 1), (think_1, 1, 1)]), (0.0, [(1, 3)])]
+
+    by_time = simulate_sessions(simulator, sessions(3.0, 0.5), cost=linear(1.0), max_num_seqs=1)
+    assert list(by_time.requests.arrival_s) == approx([0.0, 4.0, 0.0, 2.5, 0.0])
+    assert list(by_time.requests.finish_s) == approx([1.0, 7.0, 2.0, 6.0, 5.0])
+    by_id = simulate_sessions(simulator, sessions(2.0, 1.0), cost=linear(1.0), max_num_seqs=1)
+    assert list(by_id.requests.arrival_s) == approx([0.0, 3.0, 0.0, 3.0, 0.0])
+    assert list(by_id.requests.finish_s) == approx([1.0, 6.0, 2.0, 7.0, 5.0])

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from servetune.config import ArrivalsConfig, LengthsConfig, TenantConfig, WorkloadConfig
+from servetune.config import ArrivalsConfig, LengthsConfig, SessionsConfig, TenantConfig, WorkloadConfig
 from servetune.config_loader import config_from_dict, load_config
 from servetune.envs.lengths import MAX_TOKEN_COUNT
 from servetune.envs.traces import load_trace
@@ -585,3 +585,57 @@ def test_the_multi_tenant_scenario_builds_with_its_cuts_counted():
     assert workload.tenant_names == ("batch", "product", "startup") and workload.num_requests == 3000
     assert workload.prompt_tokens.max() <= 4095 and np.all(workload.prompt_tokens + workload.output_tokens <= 4096)
     assert workload.clipped > 0 and f"max_model_len 4096 ({workload.clipped} requests cut)" in workload.description
+
+
+# Closed-loop sessions -----------------------------------------------------------------------------------
+
+
+def test_sessions_start_as_the_arrival_process_says_and_each_has_its_calls():
+    sessions = dataclasses.replace(poisson(num_requests=30), sessions=SessionsConfig(calls=3, think_s=2.0))
+    workload = build_workload(sessions)
+    starts = build_workload(poisson(num_requests=10)).arrival_s   # arrivals are the generator's first draws
+    assert workload.num_requests == 30 and workload.closed_loop
+    assert np.array_equal(workload.session, np.repeat(np.arange(10), 3))
+    assert np.array_equal(workload.arrival_s, np.repeat(starts, 3))
+    assert np.array_equal(workload.think_s, np.tile([0.0, 2.0, 2.0], 10))
+    assert "sessions of 3 calls, 2 s between calls, started by poisson arrivals at 4 sessions/s" in workload.description
+    assert not build_workload(poisson()).closed_loop
+
+
+def test_ranged_think_times_are_uniform_float32_draws_and_seeded():
+    cfg = dataclasses.replace(poisson(num_requests=4000), sessions=SessionsConfig(calls=4, think_s=(1.0, 3.0)))
+    workload = build_workload(cfg)
+    follow_ups = workload.think_s.reshape(-1, 4)[:, 1:].ravel()
+    assert np.all(workload.think_s[::4] == 0.0)
+    assert follow_ups.min() >= 1.0 and follow_ups.max() <= 3.0
+    # Uniform on [1, 3]: mean 2, standard deviation 2 / sqrt(12); within 4 standard errors.
+    assert abs(follow_ups.mean() - 2.0) < 4 * (2 / math.sqrt(12)) / math.sqrt(follow_ups.size)
+    assert np.array_equal(follow_ups.astype(np.float32).astype(np.float64), follow_ups)
+    again = build_workload(cfg)
+    assert np.array_equal(again.think_s, workload.think_s) and np.array_equal(again.arrival_s, workload.arrival_s)
+
+
+def test_history_prompts_carry_the_sessions_earlier_prompts_and_answers():
+    # Fixed 100-token prompts and 10-token answers: call j's prompt is 100 + j * (100 + 10); the third is cut
+    # to max_model_len 300 - 1.
+    cfg = dataclasses.replace(poisson(num_requests=6, lengths=LengthsConfig(kind="fixed", prompt_tokens=100,
+                                                                           output_tokens=10)),
+                              sessions=SessionsConfig(calls=3, think_s=1.0, history=True), max_model_len=300)
+    workload = build_workload(cfg)
+    assert list(workload.prompt_tokens) == [100, 210, 299] * 2
+    assert list(workload.output_tokens) == [10, 10, 1] * 2
+    assert workload.clipped == 2
+
+
+def test_a_closed_loop_workload_checks_its_sessions():
+    def workload(session, think):
+        return Workload(np.zeros(3), np.ones(3, np.int64), np.ones(3, np.int64), session=np.array(session),
+                        think_s=np.array(think))
+
+    assert workload([0, 0, 1], [0.0, 1.0, 0.0]).closed_loop
+    with pytest.raises(ValueError, match="numbered"):
+        workload([0, 2, 2], [0.0, 0.0, 1.0])
+    with pytest.raises(ValueError, match="think_s"):
+        workload([0, 0, 1], [0.0, 0.0, 0.0])
+    with pytest.raises(ValueError, match="both"):
+        Workload(np.zeros(3), np.ones(3, np.int64), np.ones(3, np.int64), session=np.zeros(3, np.int64))
