@@ -71,11 +71,12 @@ def _with_cli_rl(config: Config, args: argparse.Namespace) -> Config:
 
 def run_train(args: argparse.Namespace) -> int:
     from servetune.search.evaluate import use_persistent_compilation_cache
-    from servetune.search.rl_train import CURVE_FILE, POLICY_FILE, train_policy
+    from servetune.search.rl_train import CURVE_FILE, POLICY_FILE, control_world, train_policy
 
     for name in ("--timesteps", "--num-envs"):
         _check_positive(name, getattr(args, name[2:].replace("-", "_")))
     config = _with_cli_rl(load_config(args.config, args.overrides), args)
+    world = control_world(config)   # before the progress bar, so that a config it refuses is one line
     use_persistent_compilation_cache()
     console = Console(stderr=True)
     columns = (TextColumn("[bold]PPO"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
@@ -91,7 +92,7 @@ def run_train(args: argparse.Namespace) -> int:
                            f"attainment {'—' if attainment is None else f'{attainment:.1%}'}")
             progress.update(task, total=total, completed=row["update"], figures=figures)
 
-        result = train_policy(config, args.out, args.resume, on_update)
+        result = train_policy(config, world, args.out, args.resume, on_update)
     Console().print(f"trained {result.history[-1]['timesteps']:,} steps in {result.train_s:,.0f} s "
                     f"({result.steps_per_s:,.0f} env steps/s; compile {result.compile_s:.1f} s); wrote "
                     f"{args.out / POLICY_FILE}, {args.out / CURVE_FILE}\n"

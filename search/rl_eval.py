@@ -10,6 +10,7 @@ Contenders:
 - ``policy``: the policy file's actor, acting deterministically (its mean action) every interval;
 - ``reactive``: envs/env_baselines.py's rule (the token budget follows ITL and the queue);
 - ``best-static``: the best trial of an Optuna study on the same config (given, or run here), held fixed;
+- ``as-configured``: the config's own knobs, held fixed (what the policy's first version did);
 - ``vllm-default``: vLLM's default scheduler settings, held fixed.
 
 The fixed contenders play in a world whose knob bounds cover their values (the default bounds), so that an
@@ -141,8 +142,9 @@ def evaluate(config: Config, policy: LoadedPolicy, static_config: Optional[Confi
     if static_config is not None:
         contenders.append(("best-static", heldout_world(static_config, episodes, bounds=None),
                            BASELINE_ACTS["fixed_config"], None))
-    contenders.append(("vllm-default", heldout_world(config, episodes, bounds=None), BASELINE_ACTS["vllm_defaults"],
-                       None))
+    fixed_world = heldout_world(config, episodes, bounds=None)
+    contenders += [("as-configured", fixed_world, BASELINE_ACTS["fixed_config"], None),
+                   ("vllm-default", fixed_world, BASELINE_ACTS["vllm_defaults"], None)]
 
     results = {}
     for name, world, act, extra in contenders:

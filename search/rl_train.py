@@ -37,7 +37,7 @@ from servetune.envs.env_world import World, build_world
 from servetune.errors import UserError
 from servetune.search.policy_file import write_policy
 from servetune.search.ppo import EnvSpec, TrainState, Trainer, make_train
-from servetune.search.provenance import config_data, config_hash
+from servetune.search.provenance import config_data
 
 POLICY_FILE, CHECKPOINT_FILE, HISTORY_FILE, CURVE_FILE = (
     "policy.safetensors", "checkpoint.safetensors", "training.json", "learning_curve.png")
@@ -49,9 +49,12 @@ EPISODE_LAST = ("time_s",)
 def control_world(config: Config, num_workloads: Optional[int] = None, bounds="rl") -> World:
     """ServeControl's world under the config's rl options; ``bounds``: "rl" for rl.bounds, or a mapping."""
     rl = config.rl
-    return build_world(config, interval_s=rl.interval_s, episode_s=rl.episode_s,
-                       num_workloads=num_workloads or rl.num_workloads, miss_penalty=rl.miss_penalty,
-                       bounds=dict(rl.bounds or ()) if bounds == "rl" else bounds)
+    try:
+        return build_world(config, interval_s=rl.interval_s, episode_s=rl.episode_s,
+                           num_workloads=num_workloads or rl.num_workloads, miss_penalty=rl.miss_penalty,
+                           bounds=dict(rl.bounds or ()) if bounds == "rl" else bounds)
+    except ValueError as error:   # build_world's checks of the config (gym.make raises them as they are)
+        raise UserError(f"{config.source or 'config'}: {error}") from None
 
 
 def env_spec(world: World) -> EnvSpec:
@@ -63,12 +66,23 @@ def env_spec(world: World) -> EnvSpec:
                    initial_action=jnp.clip(world.params.config_action, -0.95, 0.95))
 
 
+def _without_nulls(data):
+    """``data`` without its null entries: an optional field that a later servetune adds (null by default)
+    leaves the hash of every earlier config, and so every trained policy, as it was."""
+    if isinstance(data, dict):
+        return {key: _without_nulls(value) for key, value in data.items() if value is not None}
+    if isinstance(data, list):
+        return [_without_nulls(value) for value in data]
+    return data
+
+
 def policy_hash(config: Config) -> str:
-    """The config's hash (as studies record it) together with the environment options the policy saw."""
-    rl = config_data(config)["rl"]
-    environment = {key: rl[key] for key in ("interval_s", "episode_s", "num_workloads", "miss_penalty", "bounds")}
-    text = json.dumps({"config": config_hash(config), "environment": environment}, sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    """The hash of the world a policy acts in: the config less its search section (how a study runs) and less
+    the rl fields that only say how PPO trains."""
+    data = config_data(config)
+    data.pop("search")
+    data["rl"] = {key: data["rl"][key] for key in ("interval_s", "episode_s", "num_workloads", "miss_penalty", "bounds")}
+    return hashlib.sha256(json.dumps(_without_nulls(data), sort_keys=True).encode()).hexdigest()[:16]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -157,12 +171,11 @@ def _write_history(out: Path, config: Config, trainer: Trainer, history: list[di
     return steps_per_s
 
 
-def train_policy(config: Config, out: Path, resume: bool = False,
+def train_policy(config: Config, world: World, out: Path, resume: bool = False,
                  on_update: Optional[Callable[[dict, int], None]] = None) -> TrainingResult:
-    """Train on ``config``'s world (its ``rl`` section) and write the output folder; ``on_update(row, total)``
+    """Train on ``world`` (``control_world(config)``) and write the output folder; ``on_update(row, total)``
     after each update (for a progress bar)."""
     rl = config.rl
-    world = control_world(config)
     trainer: Trainer = make_train(env_spec(world), rl)
     out.mkdir(parents=True, exist_ok=True)
     state = trainer.init(jax.random.PRNGKey(rl.seed))
@@ -204,7 +217,8 @@ def train_policy(config: Config, out: Path, resume: bool = False,
                   "interval_s": rl.interval_s, "episode_s": world.episode_s,
                   "timesteps": trainer.num_updates * trainer.steps_per_update, "seed": rl.seed,
                   "trained_workloads": len(world.workloads)})
-    write_curve(history, out / CURVE_FILE, f"PPO on {Path(config.source or 'config').name}")
+    write_curve(history, out / CURVE_FILE, f"PPO on {Path(config.source or 'config').name}: training episodes "
+                                           "(sampled actions; eval-policy plays the mean)")
     return TrainingResult(out, history, compile_s, train_s, steps_per_s)
 
 

@@ -63,7 +63,7 @@ def test_eval_policy_compares_on_held_out_episodes(trained, tmp_path, capsys):
                  "--storage", str(tmp_path / "s.db"), "--out", str(out)])
     assert code == 0
     document = json.loads(out.read_text())
-    assert set(document["contenders"]) == {"policy", "reactive", "best-static", "vllm-default"}
+    assert set(document["contenders"]) == {"policy", "reactive", "best-static", "as-configured", "vllm-default"}
     for name, result in document["contenders"].items():
         values = result["request_goodput"]["values"]
         assert len(values) == 2 and all(v >= 0 for v in values), name
@@ -107,6 +107,7 @@ def test_export_policy_writes_the_most_held_config_with_a_warning(trained, tmp_p
     (["eval-policy", "missing.safetensors", CHAT], "no such policy file"),
     (["train-rl", CHAT, "--out", "x", "--timesteps", "0"], "--timesteps: got 0"),
     (["train-rl", CHAT, "--out", "x", "--num-envs", "3", "--set", "rl.num_minibatches=5"], "rl.num_minibatches"),
+    (["train-rl", "examples/static.yaml", "--out", "x"], "the environments steer continuous batching"),
 ])
 def test_bad_input_exits_2_with_one_line(argv, message, capsys):
     assert main(argv) == 2
