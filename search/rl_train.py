@@ -154,7 +154,7 @@ def write_curve(history: list[dict], path: Path, title: str) -> None:
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[-1].set_xlabel("environment steps (control intervals)")
-    axes[0].set_title(title)
+    axes[0].set_title(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -217,8 +217,8 @@ def train_policy(config: Config, world: World, out: Path, resume: bool = False,
                   "interval_s": rl.interval_s, "episode_s": world.episode_s,
                   "timesteps": trainer.num_updates * trainer.steps_per_update, "seed": rl.seed,
                   "trained_workloads": len(world.workloads)})
-    write_curve(history, out / CURVE_FILE, f"PPO on {Path(config.source or 'config').name}: training episodes "
-                                           "(sampled actions; eval-policy plays the mean)")
+    write_curve(history, out / CURVE_FILE, f"PPO on {Path(config.source or 'config').name}\n"
+                                           "training episodes: sampled actions (eval-policy plays the mean)")
     return TrainingResult(out, history, compile_s, train_s, steps_per_s)
 
 

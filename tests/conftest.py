@@ -2,13 +2,25 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 
+import jax
 import numpy as np
 import pytest
 
 from servetune.config import SchedulerConfig, SloConfig
 from servetune.cost_models.linear import LinearCostParams
 from servetune.envs.slos import SLO_FIELDS, RequestSlos
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_executables():
+    """Drop JAX's compiled executables after each test module. Each holds memory maps of its machine code, and
+    the suite compiles thousands: in one process they pass the kernel's limit of 65,530 maps (vm.max_map_count),
+    and XLA then crashes (a segmentation fault or an abort inside a compile)."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 def scheduler_config(**overrides) -> SchedulerConfig:
