@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Union
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
@@ -142,8 +142,3 @@ def load_policy(path: Union[str, Path]) -> LoadedPolicy:
 def policy_config_data(policy: LoadedPolicy) -> dict:
     """The config the policy was trained on, as the data a YAML file would hold."""
     return json.loads(policy.metadata["config"])
-
-
-def metadata_value(policy: LoadedPolicy, key: str) -> Optional[Any]:
-    text = policy.metadata.get(key)
-    return None if text is None else json.loads(text)
