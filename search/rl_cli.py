@@ -60,13 +60,11 @@ def _check_positive(name: str, value: Optional[int]) -> None:
 # ---------------------------------------------------------------------------------------------------------
 # train-rl
 
-def _with_cli_rl(config: Config, args: argparse.Namespace) -> Config:
+def _rl_overrides(args: argparse.Namespace) -> list[str]:
+    """The flags as --set overrides, so the loader checks them like any field (num_minibatches must divide
+    num_envs × num_steps ...)."""
     changes = {"timesteps": args.timesteps, "num_envs": args.num_envs, "seed": args.seed}
-    overrides = [f"rl.{key}={value}" for key, value in changes.items() if value is not None]
-    if not overrides:
-        return config
-    # Through the loader, so that a flag is checked like --set (num_minibatches must divide the batch ...).
-    return load_config(args.config, [*args.overrides, *overrides])
+    return [f"rl.{key}={value}" for key, value in changes.items() if value is not None]
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -75,7 +73,7 @@ def run_train(args: argparse.Namespace) -> int:
 
     for name in ("--timesteps", "--num-envs"):
         _check_positive(name, getattr(args, name[2:].replace("-", "_")))
-    config = _with_cli_rl(load_config(args.config, args.overrides), args)
+    config = load_config(args.config, [*args.overrides, *_rl_overrides(args)])
     world = control_world(config)   # before the progress bar, so that a config it refuses is one line
     use_persistent_compilation_cache()
     console = Console(stderr=True)

@@ -1,6 +1,5 @@
 """Policy files (search/policy_file.py): NumPy inference equals the JAX actor and the environment's decoding,
 the file carries what a serving stack needs, and bad files are one-line errors."""
-import json
 import subprocess
 import sys
 
@@ -96,9 +95,7 @@ def test_bad_policy_files_are_one_line_errors(tmp_path):
     with pytest.raises(UserError, match="not a servetune policy file"):
         load_policy(tmp_path / "other.safetensors")
     _random_policy(tmp_path / "p.safetensors")
-    tensors = {k: v for k, v in load_policy(tmp_path / "p.safetensors").__dict__.items()}
-    metadata = dict(tensors["metadata"], format_version="99")
+    metadata = dict(load_policy(tmp_path / "p.safetensors").metadata, format_version="99")
     save_file({"x": np.zeros(2, np.float32)}, str(tmp_path / "future.safetensors"), metadata=metadata)
     with pytest.raises(UserError, match="policy format version 99"):
         load_policy(tmp_path / "future.safetensors")
-    json.loads(metadata["observation_names"])   # metadata values are JSON text
