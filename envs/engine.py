@@ -16,11 +16,13 @@ this module computes the same thing without a Python loop over requests or steps
   at the first request that does not fit" is a prefix-AND, and preempting from the back of the running
   set until an allocation fits is a comparison of cumulative block demand against suffix sums of the
   blocks the back requests hold.
-* **Macro-steps.** Between events (an arrival, a prefill chunk, an admission, a completion, running
-  out of KV blocks) consecutive decode steps repeat the same schedule with every context one token
-  longer. One loop iteration evaluates the cost model for up to ``LOOKAHEAD_STEPS`` such steps at
-  once and applies as many as happen before the next event, so the loop runs once per event rather
-  than once per engine step. Each step is still costed and accounted individually.
+* **Macro-steps.** Between events that the scheduler acts on (an admission, or a boundary where one
+  could happen; a preemption; a prefill finishing) consecutive steps repeat the same schedule: every
+  decode's context one token longer, requests that finish dropping out, and the one request still
+  prefilling in chunks taking the budget the decodes leave. One loop iteration evaluates the cost model
+  for up to ``LOOKAHEAD_STEPS`` such steps at once and applies as many as happen before the next event,
+  so the loop runs once per event rather than once per engine step. Each step is still costed and
+  accounted individually.
 
 Numbers: token and block counts are int32. Time is float32, except the clock and arrival times, which
 are double-float pairs (hi + lo, each float32): a run of 300,000 steps of ~15 ms at t ~ 5,000 s would
@@ -41,7 +43,7 @@ from servetune.envs.queue_order import DECODE_TOKEN_WEIGHT, FEATURES, PREFILL_TO
 from servetune.pytree import pytree_dataclass, replace
 from servetune.types import StepBatch
 
-LOOKAHEAD_STEPS = 64        # decode steps one loop iteration may apply at once
+LOOKAHEAD_STEPS = 64        # steps one loop iteration may apply at once
 ARRIVALS_PER_ITERATION = 16  # arrivals processed per loop iteration (more just take more iterations)
 NO_LIMIT = 2**30
 DEFICIT = FEATURES.index("deficit")
@@ -799,10 +801,21 @@ def _batch_summary(slots: Slots, tokens):
     )
 
 
-def _gap_stats(samples, weights):
-    """(max, sum of squares) of the gap samples that have weight."""
-    counted = weights > 0
-    return jnp.max(jnp.where(counted, samples, 0.0)), jnp.sum(jnp.where(counted, samples * samples, 0.0))
+def _suffix_sums(x):
+    """Along axis 0: entry j is the sum of entries j, j + 1, ..."""
+    return jnp.cumsum(x[::-1], axis=0)[::-1]
+
+
+def _strided_sums(x, stride):
+    """out[t] = x[t] + x[t - stride] + x[t - 2 stride] + ... (a traced stride >= 1), by doubling: after
+    round r each entry holds 2**r terms. (A mask over all pairs costs length**2 per call.)"""
+    n = x.shape[0]
+    shift = stride
+    for _ in range(max(1, n - 1).bit_length()):
+        padded = jnp.concatenate([jnp.zeros(n, x.dtype), x])
+        x = x + jax.lax.dynamic_slice(padded, (n - jnp.minimum(shift, n),), (n,))
+        shift = shift * 2
+    return x
 
 
 def _seats_closed(params, num_running):
@@ -812,109 +825,169 @@ def _seats_closed(params, num_running):
 
 
 def _advance(trace, params, state, slots, tokens, cost_fn, num_slots):
-    """Run the scheduled step, then the all-decode steps that follow it before any event.
+    """Run the scheduled step, then the steps that follow it before any event.
 
-    After the scheduled step (step 0), if every running request is decoding, all of them fit the token
-    budget, none finished and no waiting request could be admitted, the next steps are identical except
-    that every context grows by one token: steps 1..k-1 decode every running request, until an arrival,
-    a completion, the horizon, running out of KV blocks, or LOOKAHEAD_STEPS. With nothing scheduled (all
-    `tokens` zero) it writes nothing to the request table or histogram.
+    After the scheduled step (step 0) the next steps repeat its shape while every running request fits
+    the token budget and decodes -- except perhaps the last admitted, still prefilling in chunks: step
+    j >= 1 decodes every request with j or more tokens still to emit, each context one token longer than
+    at step j - 1, and gives the prefilling request the budget they leave (capped by the long-prefill
+    threshold) until its prompt is done. A completion changes nothing the scheduler acts on unless it
+    opens a seat for a waiting request (or, with sessions or a scored queue, changes what the next
+    boundary sees), so the run goes through the others. It stops before the step at whose boundary a
+    request could be admitted (one waits, or has arrived, and a seat and budget are free), after the
+    prefilling request's last chunk, at the horizon, when the KV cache could not hold the step, or after
+    LOOKAHEAD_STEPS. With nothing scheduled (all `tokens` zero) it writes nothing to the request table or
+    histogram.
     """
     pos = jnp.arange(num_slots, dtype=i32)
     running = pos < state.num_running
     scheduled = tokens > 0
     num_running = state.num_running
+    budget = params.max_num_batched_tokens
 
     # Step 0, the scheduled step.
     emits0 = scheduled & (slots.computed + tokens == slots.prompt + slots.generated)
     computed0 = slots.computed + tokens
     generated0 = slots.generated + emits0
-    finished0 = running & (generated0 >= slots.output)
 
-    # Steps 1.., in which every running request decodes once.
-    # A decode needs one token and has emitted before (a prompt's last token is a prefill chunk).
+    # Steps 1.. A decode needs one token and has emitted before (a prompt's last token is a prefill chunk).
     decoding = (computed0 + 1 == slots.prompt + generated0) & (generated0 >= 1)
-    # Whatever arrives, nobody is admitted while every seat or the whole budget is taken (or a static batch
-    # runs); then arrivals need not end the run either: while nothing leaves the queue, processing them
-    # at the run's end decides the same rejections.
-    seats_closed = _seats_closed(params, num_running)
-    no_admission = seats_closed | (state.queue_len == 0)
-    # Nor does a look-ahead follow a step that schedules nothing (an iteration that is not stepping the
-    # engine): its histogram and request-table writes are kept whichever outcome the iteration chooses.
-    continues = (jnp.any(scheduled) & jnp.all(~running | decoding) & ~jnp.any(finished0) & no_admission
-                 & (num_running <= params.max_num_batched_tokens))
+    prefilling = running & ~decoding
+    last = jnp.maximum(num_running - 1, 0)
+    has_prefill = jnp.any(prefilling)
+    # With several prefilling, or one with requests after it in the budget's order, the shape changes.
+    prefill_repeats = params.chunked_prefill & (jnp.sum(prefilling) == 1) & prefilling[last]
+    # No look-ahead follows a step that schedules nothing (an iteration that is not stepping the engine):
+    # its histogram and request-table writes are kept whichever outcome the iteration chooses.
+    continues = jnp.any(scheduled) & (~has_prefill | prefill_repeats) & (num_running <= budget)
+    is_prefill = prefill_repeats & (pos == last)   # the request prefilling through the run, if any
+    decoder = running & ~is_prefill
     j = jnp.arange(LOOKAHEAD_STEPS, dtype=i32)
-    first = _batch_summary(slots, tokens)
-    later_context = jnp.sum(jnp.where(running, computed0 + 1, 0)).astype(f32) + (j - 1).astype(f32) * num_running
     zero = j == 0
+    left = slots.output - generated0                       # tokens to emit after step 0 (0: it finished there)
+    # Decoders by what they have left (capped: j never exceeds the look-ahead), then, for step j, the count,
+    # contexts and blocks of those that take part in it: a suffix sum over what they have left.
+    left_bin = jnp.where(decoder, jnp.minimum(left, LOOKAHEAD_STEPS - 1), LOOKAHEAD_STEPS)
+    by_left = jnp.zeros((LOOKAHEAD_STEPS, 3), i32).at[left_bin].add(
+        jnp.stack([jnp.ones_like(computed0), computed0, slots.blocks], axis=1), mode="drop")
+    taking_part = _suffix_sums(by_left)
+    decodes, contexts, held = taking_part[:, 0], taking_part[:, 1], taking_part[:, 2]
+
+    # The prefilling request takes min(threshold, budget the decodes leave) per step until its need is met.
+    need = slots.prompt[last] + generated0[last] - computed0[last]
+    cap = jnp.where(params.long_prefill_token_threshold > 0, params.long_prefill_token_threshold, NO_LIMIT)
+    offered = jnp.where(zero | ~prefill_repeats, 0, jnp.minimum(cap, budget - decodes))
+    chunked_before = _exclusive_cumsum(offered)
+    chunk = jnp.clip(need - chunked_before, 0, offered)
+    in_prefill = prefill_repeats & ~zero & (chunked_before < need)     # it takes part in step j
+    past_prefill = prefill_repeats & ~zero & (chunked_before >= need)  # it would decode: a new shape
+    prefill_context = (computed0[last] + chunked_before).astype(f32)
+    q = chunk.astype(f32)
+    # A one-token chunk of a request that has emitted counts as a decode (the reference's rule).
+    chunk_is_decode = in_prefill & (chunk == 1) & (generated0[last] >= 1)
+    chunk_is_prefill = in_prefill & ~chunk_is_decode
+    members = decodes + in_prefill                         # requests in step j (j >= 1)
+    held = held + jnp.where(prefill_repeats, slots.blocks[last], 0)
+
+    first = _batch_summary(slots, tokens)
     batch = StepBatch(
-        num_prefill_seqs=jnp.where(zero, first.num_prefill_seqs, 0.0),
-        prefill_tokens=jnp.where(zero, first.prefill_tokens, 0.0),
-        prefill_context_tokens=jnp.where(zero, first.prefill_context_tokens, 0.0),
-        prefill_attention_pairs=jnp.where(zero, first.prefill_attention_pairs, 0.0),
-        num_decode_seqs=jnp.where(zero, first.num_decode_seqs, num_running.astype(f32)),
-        decode_context_tokens=jnp.where(zero, first.decode_context_tokens, later_context),
+        num_prefill_seqs=jnp.where(zero, first.num_prefill_seqs, chunk_is_prefill.astype(f32)),
+        prefill_tokens=jnp.where(zero, first.prefill_tokens, jnp.where(chunk_is_prefill, q, 0.0)),
+        prefill_context_tokens=jnp.where(zero, first.prefill_context_tokens,
+                                         jnp.where(chunk_is_prefill, prefill_context + q, 0.0)),
+        prefill_attention_pairs=jnp.where(zero, first.prefill_attention_pairs,
+                                          jnp.where(chunk_is_prefill, q * (prefill_context + q / 2), 0.0)),
+        num_decode_seqs=jnp.where(zero, first.num_decode_seqs, (decodes + chunk_is_decode).astype(f32)),
+        decode_context_tokens=jnp.where(zero, first.decode_context_tokens,
+                                        (contexts + j * decodes).astype(f32)
+                                        + jnp.where(chunk_is_decode, prefill_context + 1, 0.0)),
     )
     durations = jnp.broadcast_to(cost_fn(params.cost, batch), j.shape).astype(f32)
-    starts = _exclusive_cumsum(durations)
-    remaining = jnp.min(jnp.where(running, slots.output - generated0, NO_LIMIT))
+    ends = jnp.cumsum(durations)
+    starts = ends - durations
     next_hi, next_lo, next_exists = _next_arrival(trace, state)
-    # A closed-loop call that arrives mid-run must be processed at the first boundary after it even while
-    # nobody can be admitted: a rejection releases the session's next call from that boundary.
-    arrival_ends_run = next_exists & ~seats_closed if trace.think is None else next_exists
-    to_arrival = jnp.where(arrival_ends_run, _df_sub(next_hi, next_lo, state.clock_hi, state.clock_lo), jnp.inf)
+    to_arrival = jnp.where(next_exists, _df_sub(next_hi, next_lo, state.clock_hi, state.clock_lo), jnp.inf)
     to_horizon = _df_sub(params.horizon_hi, params.horizon_lo, state.clock_hi, state.clock_lo)
-    # Step j >= 1 needs blocks for computed0 + j tokens per request. A request with `spare` free token
-    # positions in its blocks needs ceil((j - spare) / block_size) new ones by step j; counting requests by
-    # `spare` makes this a (look-ahead x look-ahead) product, whatever the slot count.
+    # Whatever arrives, nobody is admitted while every seat or the whole budget is taken; then arrivals need
+    # not end the run either: while nothing leaves the queue, processing them at the run's end decides the
+    # same rejections. A closed-loop call must be processed at the first boundary after it regardless (a
+    # rejection releases the session's next call from then), and a completion there releases a call this
+    # run does not know of; a scored queue's tenant counters read every boundary with an open seat.
+    arrived = starts >= to_arrival
+    open_seat = (~params.static_batching & (members < params.max_num_seqs)
+                 & (decodes + jnp.where(in_prefill, chunk, 0) < budget))
+    admits = open_seat & ((state.queue_len > 0) | arrived)
+    if trace.think is not None:
+        admits = admits | arrived | (members < num_running)
+    elif slots.rank is not None:
+        # (The counters' rule reads seats, not budget: _lift_rejoining_tenants.)
+        seat = ~_seats_closed(params, members)
+        admits = admits | (seat & (arrived | (members < num_running)))
+    # Step j >= 1 needs blocks for computed0 + j tokens per decoder taking part (a prefilling request has
+    # its whole prompt's). One with `spare` free token positions in its blocks gains new ones at steps
+    # spare + 1, spare + 1 + block_size, ...: so the gains at step t are the first gains at t,
+    # t - block_size, ..., counted over look-ahead-sized arrays whatever the slot count. Counting every
+    # decoder's gains bounds the need of those taking part (some finish first); stopping where the bound
+    # says is exact (the next iteration schedules that step in full) and only ends a run early when the
+    # cache is nearly full.
     spare = slots.blocks * params.block_size - computed0
-    spare_counts = jnp.zeros(LOOKAHEAD_STEPS, i32).at[jnp.where(running, spare, LOOKAHEAD_STEPS)].add(1, mode="drop")
-    blocks_by_step = _ceil_div(jnp.maximum(j[:, None] - j[None, :], 0), params.block_size)
-    new_blocks = blocks_by_step @ spare_counts
-    repeatable = zero | (continues & (j <= remaining) & (starts < to_arrival) & (starts < to_horizon)
-                         & (new_blocks <= state.free_blocks))
+    first_gain = jnp.zeros(LOOKAHEAD_STEPS, i32).at[jnp.where(decoder, spare + 1, LOOKAHEAD_STEPS)].add(1, mode="drop")
+    need_bound = held + jnp.cumsum(_strided_sums(first_gain, params.block_size))
+    repeatable = zero | (continues & (members > 0) & ~admits & ~past_prefill & (starts < to_horizon)
+                         & (need_bound <= params.num_kv_blocks))
     run = _prefix_and(repeatable)
     k = jnp.sum(run, dtype=i32)
     extra = k - 1
-    total = jnp.sum(jnp.where(run, durations, 0.0))
+    total = ends[extra]
+    later_steps = run & ~zero
+    prefilled = jnp.sum(jnp.where(later_steps, chunk, 0))
+    prefill_emits = prefill_repeats & (extra > 0) & (prefilled == need)   # its last chunk was step `extra`
     first_end = _df_add(state.clock_hi, state.clock_lo, durations[0])
     end_hi, end_lo = _df_add(state.clock_hi, state.clock_lo, total)
+    grow = jnp.where(decoder, jnp.minimum(left, extra), 0)   # the decode steps after step 0 each takes
+    through = jnp.where(is_prefill, extra, grow)              # the last step each takes part in
+    finish_hi, finish_lo = _df_add(state.clock_hi, state.clock_lo, ends[through])
 
-    # Inter-token gaps: at step 0 for requests that emit and had emitted before; at step 1 for every
-    # running request (a decode always has emitted); from step 2 on, each step's duration, once per request.
+    # Inter-token gaps: at step 0 for requests that emit and had emitted before, and at the prefilling
+    # request's last chunk; at step 1 for every decoder taking part; from step 2 on, each step's duration,
+    # once per decoder taking part.
     had_token = slots.generated >= 1
-    sample0 = slots.gap + durations[0]
-    weight0 = (emits0 & had_token).astype(i32)
-    gap0 = jnp.where(emits0, 0.0, sample0)
+    gap0 = jnp.where(emits0, 0.0, slots.gap + durations[0])
+    emitted = (emits0 & ~is_prefill) | (is_prefill & prefill_emits)
+    sample0 = jnp.where(is_prefill, slots.gap + total, slots.gap + durations[0])
+    weight0 = (emitted & had_token).astype(i32)
     sample1 = gap0 + durations[1]
-    weight1 = (running & (extra > 0)).astype(i32)
+    weight1 = (grow > 0).astype(i32)
     from_two = (j >= 2) & run
-    max_rest, sq_rest = _gap_stats(durations, from_two.astype(i32))
+    later = jnp.where(from_two, durations, 0.0)
+    max_rest, sq_rest = jax.lax.cummax(later)[grow], jnp.cumsum(later * later)[grow]
     max_gap = jnp.where(weight0 > 0, jnp.maximum(slots.max_gap, sample0), slots.max_gap)
     max_gap = jnp.where(weight1 > 0, jnp.maximum(max_gap, jnp.maximum(sample1, max_rest)), max_gap)
     sum_sq = (slots.sum_sq_gap + jnp.where(weight0 > 0, sample0 * sample0, 0.0)
               + jnp.where(weight1 > 0, sample1 * sample1 + sq_rest, 0.0))
     hist = state.itl_histogram.at[_itl_bin(sample0)].add(weight0)
     hist = hist.at[_itl_bin(sample1)].add(weight1)
-    hist = hist.at[_itl_bin(durations)].add(jnp.where(from_two, num_running, 0))
+    hist = hist.at[_itl_bin(durations)].add(jnp.where(from_two, decodes, 0))
 
-    grow = jnp.where(running, extra, 0)
-    computed = computed0 + grow
-    generated = generated0 + grow
-    blocks = jnp.where(running & (extra > 0), jnp.maximum(slots.blocks, _ceil_div(computed, params.block_size)),
-                       slots.blocks)
+    prefill_tokens = jnp.where(is_prefill, prefilled, 0)
+    computed = computed0 + grow + prefill_tokens
+    generated = generated0 + grow + (is_prefill & prefill_emits)
+    blocks0 = slots.blocks
+    blocks = jnp.where(grow > 0, jnp.maximum(blocks0, _ceil_div(computed, params.block_size)), blocks0)
     finished = running & (generated >= slots.output)
-    gap = jnp.where(extra > 0, 0.0, gap0)
+    gap = jnp.where(is_prefill, jnp.where(prefill_emits, 0.0, slots.gap + total), jnp.where(grow > 0, 0.0, gap0))
     slots = replace(slots,
         computed=computed, generated=generated, blocks=blocks,
         gap=gap, max_gap=max_gap, sum_sq_gap=sum_sq)
 
     req = state.requests
     arrival_hi, arrival_lo = _arrival_of(trace, state, slots.req)
-    first_token = emits0 & ~had_token
+    first_token = emitted & ~had_token
+    token_hi = jnp.where(is_prefill, finish_hi, first_end[0])
+    token_lo = jnp.where(is_prefill, finish_lo, first_end[1])
     req = replace(req,
-        ttft=_set_where(req.ttft, slots.req, _df_sub(*first_end, arrival_hi, arrival_lo), first_token),
-        e2el=_set_where(req.e2el, slots.req, _df_sub(end_hi, end_lo, arrival_hi, arrival_lo), finished),
+        ttft=_set_where(req.ttft, slots.req, _df_sub(token_hi, token_lo, arrival_hi, arrival_lo), first_token),
+        e2el=_set_where(req.e2el, slots.req, _df_sub(finish_hi, finish_lo, arrival_hi, arrival_lo), finished),
         status=_set_where(req.status, slots.req, DONE, finished),
         generated=_set_where(req.generated, slots.req, generated, finished),
         max_gap=_set_where(req.max_gap, slots.req, max_gap, finished),
@@ -923,16 +996,31 @@ def _advance(trace, params, state, slots, tokens, cost_fn, num_slots):
 
     if slots.rank is not None:
         is_decode0 = scheduled & (tokens == 1) & had_token
+        chunk_service = jnp.sum(jnp.where(later_steps & in_prefill,
+                                          jnp.where(chunk_is_decode, DECODE_TOKEN_WEIGHT, PREFILL_TOKEN_WEIGHT * chunk), 0))
         service = (jnp.where(is_decode0, DECODE_TOKEN_WEIGHT, PREFILL_TOKEN_WEIGHT * tokens)
-                   + DECODE_TOKEN_WEIGHT * grow)
+                   + DECODE_TOKEN_WEIGHT * grow + jnp.where(is_prefill, chunk_service, 0))
         state = replace(state,
             tenant_tokens=state.tenant_tokens.at[slots.tenant].add(jnp.where(running, service, 0)),
             tenant_in_system=state.tenant_in_system.at[slots.tenant].add(-finished.astype(i32)),
         )
 
-    used_blocks = params.num_kv_blocks - state.free_blocks
-    kv_seconds = jnp.sum(jnp.where(run, (used_blocks + new_blocks).astype(f32) * durations, 0.0))
-    in_system = (state.queue_len + num_running).astype(f32) * total
+    # Integrals over each step use the state after its allocation and before completions free anything.
+    # A request holding b blocks at step 0 that gains its m-th new one at step t_m = spare + 1 + (m - 1) x
+    # block_size holds, over steps 0..through, b x ends[through] + the sum over m of (ends[through] -
+    # ends[t_m - 1]) block-seconds; the ends at t_m - 1 are a strided sum, read off `strided` (strided[x] =
+    # the sum of ends[x], ends[x - block_size], ...).
+    new_blocks = blocks - blocks0
+    strided = _strided_sums(ends, params.block_size)
+    last_gain = jnp.clip(spare + (new_blocks - 1) * params.block_size, 0, LOOKAHEAD_STEPS - 1)
+    before_first = spare - params.block_size
+    gained_at = (strided[last_gain]
+                 - jnp.where(before_first >= 0, strided[jnp.clip(before_first, 0, LOOKAHEAD_STEPS - 1)], 0.0))
+    block_seconds = blocks.astype(f32) * ends[through] - jnp.where(new_blocks > 0, gained_at, 0.0)
+    kv_seconds = jnp.sum(jnp.where(running, block_seconds, 0.0))
+    in_step = jnp.where(zero, num_running, members)
+    in_system = (state.queue_len.astype(f32) * total
+                 + jnp.sum(jnp.where(run, in_step.astype(f32) * durations, 0.0)))
     freed = jnp.sum(jnp.where(finished, blocks, 0))
     free = params.num_kv_blocks - jnp.sum(jnp.where(running, blocks, 0)) + freed
 
@@ -944,7 +1032,7 @@ def _advance(trace, params, state, slots, tokens, cost_fn, num_slots):
     source = jnp.full(num_slots, num_slots, i32).at[target].set(pos, mode="drop")
     kept = source < num_slots
     if trace.think is not None:
-        state = _release_next_calls(trace, state, slots.req, finished, finished, (end_hi, end_lo))
+        state = _release_next_calls(trace, state, slots.req, finished, finished, (finish_hi, finish_lo))
     slots = jax.tree_util.tree_map(
         lambda x: jnp.where(kept, x[jnp.minimum(source, num_slots - 1)], jnp.zeros((), x.dtype)), slots)
     return replace(state,
@@ -952,7 +1040,7 @@ def _advance(trace, params, state, slots, tokens, cost_fn, num_slots):
         slots=slots, num_running=jnp.sum(keep, dtype=i32),
         free_blocks=free, requests=req,
         steps=state.steps + k,
-        scheduled_seqs=state.scheduled_seqs + jnp.sum(scheduled, dtype=i32) + extra * num_running,
+        scheduled_seqs=state.scheduled_seqs + jnp.sum(scheduled, dtype=i32) + jnp.sum(jnp.where(later_steps, members, 0)),
         kv_block_seconds=state.kv_block_seconds + kv_seconds,
         in_system_seconds=state.in_system_seconds + in_system,
         itl_histogram=hist,
