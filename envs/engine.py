@@ -1183,16 +1183,58 @@ def run_from(trace: Trace, params: EngineParams, state: EngineState, cost_fn: Ca
     )
 
 
+# An interval's run first tries a slot table this small (when the runs' tables are larger): most intervals
+# never hold more requests at once, and the engine's cost per iteration grows with the table.
+INTERVAL_FIRST_SLOTS = 64
+
+
+def _slots_resized(state: EngineState, size: int) -> EngineState:
+    """The slot table cut or zero-padded to `size` rows (the last axis: runs may be batched). Rows from
+    num_running on are zeros, so cutting rows past it and padding them back loses nothing."""
+    def resize(x):
+        have = x.shape[-1]
+        if size <= have:
+            return x[..., :size]
+        return jnp.concatenate([x, jnp.zeros(x.shape[:-1] + (size - have,), x.dtype)], axis=-1)
+    return replace(state, slots=jax.tree_util.tree_map(resize, state.slots))
+
+
+def _small_table_first(loop: Callable, state: EngineState, num_slots: int) -> EngineState:
+    """`loop(state, slots)` on a table of INTERVAL_FIRST_SLOTS slots when every run starts with fewer
+    running; the runs that fill it rerun from `state` on the full table (as the simulator grows its
+    table), while the others, ended, write nothing. The same runs as on the full table from the start."""
+    small = INTERVAL_FIRST_SLOTS
+    if num_slots <= small:
+        return loop(state, num_slots)
+
+    def attempt(state):
+        tried = _slots_resized(loop(_slots_resized(state, small), small), num_slots)
+        filled = tried.slots_filled & ~state.slots_filled   # per run
+
+        def rerun():
+            def pick(start, done):
+                return jnp.where(jnp.reshape(filled, filled.shape + (1,) * (start.ndim - filled.ndim)), start, done)
+            return loop(jax.tree_util.tree_map(pick, state, tried), num_slots)
+
+        return jax.lax.cond(jnp.any(filled), rerun, lambda: tried)
+
+    fits = jnp.all(state.num_running < small)
+    return jax.lax.cond(fits, attempt, lambda s: loop(s, num_slots), state)
+
+
 @lru_cache(maxsize=None)
 def interval_runner(cost_fn: Callable, num_slots: int, queue_shape: Optional[QueueShape] = None) -> Callable:
     """``run_from`` as a function of (trace, params, state) that batches well: under ``vmap`` (a vector of
     controlled runs) the loop runs while any run is live and only its body is vmapped, as in
     ``run_batched``, instead of JAX selecting every run's whole carry on every iteration. An ended run's
-    iteration writes nothing, so each run ends exactly where its own ``run_from`` would."""
+    iteration writes nothing, so each run ends exactly where its own ``run_from`` would. Either way an
+    interval runs on a small slot table first (`_small_table_first`)."""
+    scored = queue_shape is not None
 
     @custom_vmap
     def run(trace, params, state):
-        return run_from(trace, params, state, cost_fn, num_slots, queue_shape)
+        return _small_table_first(
+            lambda s, slots: run_from(trace, params, s, cost_fn, slots, queue_shape), state, num_slots)
 
     @run.def_vmap
     def run_vmapped(axis_size, in_batched, trace, params, state):
@@ -1202,8 +1244,12 @@ def interval_runner(cost_fn: Callable, num_slots: int, queue_shape: Optional[Que
 
         trace, params, state = (batched(tree, flags) for tree, flags in zip((trace, params, state), in_batched))
         state = replace(state, ended=jnp.zeros_like(state.ended))
-        out = _while_any_live(lambda p, one, t: _iteration(t, p, one, cost_fn, num_slots, queue_shape is not None),
-                              params, state, trace)
+
+        def loop(state, slots):
+            return _while_any_live(lambda p, one, t: _iteration(t, p, one, cost_fn, slots, scored),
+                                   params, state, trace)
+
+        out = _small_table_first(loop, state, num_slots)
         return out, jax.tree_util.tree_map(lambda _: True, out)
 
     return run

@@ -144,6 +144,34 @@ def test_fixed_knobs_reproduce_simulate_and_rewards_sum_to_its_good_requests(cas
                                   "scheduler.max_num_seqs=32"],
                        num_workloads=2, miss_penalty=0.5, bounds={"max_num_seqs": (1, 32)})
         workload = 1
+    run = _check_fixed_knobs_reproduce_simulate(options, workload, chat_window=case == "chat window")
+    if case == "chat window":
+        assert run["prefix_cache_hit_rate"] > 0
+
+
+@pytest.fixture
+def first_slots_four(monkeypatch):
+    """Intervals try a 4-slot table first, so busy ones overflow it and rerun on the full table. (Compiled
+    steps read the size when traced: none compiled before or after may be reused.)"""
+    from servetune.envs import engine
+
+    def clear():
+        jax.clear_caches()
+        engine.interval_runner.cache_clear()
+    clear()
+    monkeypatch.setattr(engine, "INTERVAL_FIRST_SLOTS", 4)
+    yield
+    monkeypatch.undo()
+    clear()
+
+
+def test_a_small_first_table_that_overflows_changes_nothing(first_slots_four):
+    options = dict(config=CHAT, overrides=LOADED, num_workloads=2, miss_penalty=0.5, bounds={"max_num_seqs": (1, 64)})
+    run = _check_fixed_knobs_reproduce_simulate(options, 0, chat_window=True)
+    assert run["mean_batch_size"] > 4   # intervals really outgrew the first table
+
+
+def _check_fixed_knobs_reproduce_simulate(options: dict, workload: int, chat_window: bool) -> dict:
     env = gym.make(CONTROL, **options)
     world = env.unwrapped.world
     total, outcome, info = _episode_at_fixed_knobs(env, workload)
@@ -164,11 +192,11 @@ def test_fixed_knobs_reproduce_simulate_and_rewards_sum_to_its_good_requests(cas
     for key in ("request_goodput", "duration_s", "mean_ttft_ms", "p99_ttft_ms", "mean_itl_ms", "slo_attainment"):
         assert info["metrics"][key] == pytest.approx(run[key], rel=1e-5), key
     missed = run["completed"] - run["good"] + run["rejected"]
-    if case == "chat window":
-        assert run["prefix_cache_hit_rate"] > 0
+    if chat_window:
         assert run["rejected"] > 0 and run["preemptions"] > 0 and missed > run["rejected"] and run["unfinished"] > 0
     assert total == pytest.approx(run["good"] - 0.5 * missed)
     assert (info["episode_good"], info["episode_missed"]) == (run["good"], missed)
+    return run
 
 
 @pytest.mark.parametrize("overrides", [LOADED, [*LOADED[:-1], "simulation.horizon_s=null"]],
