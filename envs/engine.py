@@ -40,8 +40,13 @@ from jax.custom_batching import custom_vmap
 
 from servetune.envs.outcome import ITL_HIST_BINS, ITL_HIST_MIN_S, ITL_LOG_BIN_WIDTH
 from servetune.envs.queue_order import DECODE_TOKEN_WEIGHT, FEATURES, PREFILL_TOKEN_WEIGHT
+from servetune.parallel import across_cores, use_all_cores
 from servetune.pytree import pytree_dataclass, replace
 from servetune.types import StepBatch
+
+# Batches of configs and envs are split across the cores (servetune/parallel.py): this must run before
+# JAX's backend starts, and the engine is what every batched run imports first.
+use_all_cores()
 
 LOOKAHEAD_STEPS = 64        # steps one loop iteration may apply at once
 ARRIVALS_PER_ITERATION = 16  # arrivals processed per loop iteration (more just take more iterations)
@@ -1291,4 +1296,4 @@ def run_jit(trace, params, cost_fn, num_slots, queue_shape=None):
 
 @partial(jax.jit, static_argnames=("cost_fn", "num_slots", "queue_shape"))
 def run_many(trace, params, cost_fn, num_slots, queue_shape=None):
-    return run_batched(trace, params, cost_fn, num_slots, queue_shape)
+    return across_cores(lambda t, p: run_batched(t, p, cost_fn, num_slots, queue_shape), (False, True))(trace, params)

@@ -50,6 +50,7 @@ from servetune.envs import engine
 from servetune.envs.env_actions import action_names, apply, decode
 from servetune.envs.env_world import EnvParams, World
 from servetune.envs.outcome import itl_bin_edges
+from servetune.parallel import across_cores
 from servetune.pytree import pytree_dataclass, replace
 
 f32, i32 = jnp.float32, jnp.int32
@@ -367,8 +368,10 @@ def autoreset_step(step_fn, reset_fn, keys, states, actions, params):
     once, from the next key of their chain (AutoresetMode.SAME_STEP): (first observations of the next step, states,
     reward, terminated, truncated, info, the observations the step ended on, next keys). Shared by the vector
     envs (envs/gym_envs.py) and the RL trainer (search/ppo.py)."""
-    obs, stepped, reward, terminated, truncated, info = jax.vmap(step_fn, (None, 0, 0, None))(
-        None, states, actions, params)
+    # The envs' step is the expensive part, so it is what runs split across the cores.
+    obs, stepped, reward, terminated, truncated, info = across_cores(
+        lambda s, a, p: jax.vmap(step_fn, (None, 0, 0, None))(None, s, a, p), (True, True, False))(
+        states, actions, params)
     done = terminated | truncated
     pairs = jax.vmap(jax.random.split)(keys)
     next_keys = jnp.where(done[:, None], pairs[:, 0], keys)

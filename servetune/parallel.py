@@ -1,0 +1,62 @@
+"""Batches spread over the machine's cores.
+
+XLA runs a CPU device's program on one thread at a time, so a vmapped batch of configs or envs uses one
+core however many the machine has. Exposing each core as a CPU device and splitting the batch across
+them (``shard_map``) runs the parts side by side; the rows are independent, so each row's result is the
+same as in one batch.
+"""
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec
+
+_AXIS = "cores"
+
+
+def use_all_cores() -> None:
+    """Before JAX's backend starts, make each core available to this process a CPU device. Leaves a count
+    the user chose (``JAX_NUM_CPU_DEVICES``, or XLA's host device count flag) alone, and does nothing once
+    the backend has started (the batches then run on one device, as before)."""
+    if "JAX_NUM_CPU_DEVICES" in os.environ or "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+        return
+    try:
+        jax.config.update("jax_num_cpu_devices", len(os.sched_getaffinity(0)))
+    except RuntimeError:   # the backend is already up
+        pass
+
+
+@lru_cache(maxsize=None)
+def _mesh() -> Mesh:
+    return Mesh(np.array(jax.local_devices()), (_AXIS,))
+
+
+def across_cores(batched_fn: Callable, batched: Sequence[bool]) -> Callable:
+    """`batched_fn(*args)`, where the args flagged in `batched` carry a leading batch axis (the rest are
+    shared), run with that axis split across the local devices. Every output must carry the batch axis. A
+    batch the device count does not divide is padded with copies of its last row, cut off afterwards.
+    Call it inside ``jit``; with one device it is `batched_fn` itself."""
+    batched = tuple(batched)
+
+    def run(*args):
+        devices = len(jax.local_devices())
+        if devices == 1:
+            return batched_fn(*args)
+        size = jax.tree_util.tree_leaves([a for a, b in zip(args, batched) if b])[0].shape[0]
+        padded = -size % devices
+
+        def pad(x):
+            return jnp.concatenate([x, jnp.repeat(x[-1:], padded, axis=0)]) if padded else x
+
+        args = tuple(jax.tree_util.tree_map(pad, a) if b else a for a, b in zip(args, batched))
+        specs = tuple(PartitionSpec(_AXIS) if b else PartitionSpec() for b in batched)
+        out = jax.shard_map(batched_fn, mesh=_mesh(), in_specs=specs, out_specs=PartitionSpec(_AXIS),
+                            check_vma=False)(*args)
+        return jax.tree_util.tree_map(lambda x: x[:size], out) if padded else out
+
+    return run
