@@ -39,6 +39,7 @@ from servetune.envs.env_actions import action_names, decode
 from servetune.envs.env_render import draw_timeline, replay, status_line
 from servetune.envs.env_report import episode_metrics, episode_outcome
 from servetune.envs.env_world import CONTEXT_FIELDS, World, build_world
+from servetune.parallel import laid_out
 
 RENDER_MODES = ["ansi", "rgb_array"]
 _UNIT_FIELDS = {"kv_utilization", "time_of_day", "elapsed_fraction"}
@@ -332,6 +333,7 @@ class _VectorEnv(VectorEnv):
                 raise ValueError(f"options['workload']: got {len(workloads)} values, expected {self.num_envs}")
             indices = [_workload_index(w, self.world) for w in workloads]
             obs, self._states = self._reset_to_fn(jnp.asarray(indices, jnp.int32), params)
+        self._keys, self._states = laid_out((self._keys, self._states), self.num_envs)
         self._before, self._last = None, None
         self._obs = np.asarray(obs)
         return self._obs, {"workload": np.asarray(self._states.variant)}
@@ -345,6 +347,7 @@ class _VectorEnv(VectorEnv):
         self._before = self._states
         obs, self._states, reward, terminated, truncated, info, final_obs, self._keys = self._step_fn(
             self._keys, self._states, jnp.asarray(actions), self.world.params)
+        self._keys, self._states = laid_out((self._keys, self._states), self.num_envs)
         obs, reward, terminated, truncated, info, final_obs = jax.device_get(
             (obs, reward, terminated, truncated, info, final_obs))
         done = terminated | truncated

@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 _AXIS = "cores"
 
@@ -39,15 +39,15 @@ def _mesh() -> Mesh:
 def across_cores(batched_fn: Callable, batched: Sequence[bool]) -> Callable:
     """`batched_fn(*args)`, where the args flagged in `batched` carry a leading batch axis (the rest are
     shared), run with that axis split across the local devices. Every output must carry the batch axis. A
-    batch the device count does not divide is padded with copies of its last row, cut off afterwards.
-    Call it inside ``jit``; with one device it is `batched_fn` itself."""
+    batch the device count does not divide is padded with copies of its last row, cut off afterwards; one
+    smaller than the device count, or one device, runs as `batched_fn` itself. Call it inside ``jit``."""
     batched = tuple(batched)
 
     def run(*args):
         devices = len(jax.local_devices())
-        if devices == 1:
-            return batched_fn(*args)
         size = jax.tree_util.tree_leaves([a for a, b in zip(args, batched) if b])[0].shape[0]
+        if devices == 1 or size < devices:
+            return batched_fn(*args)
         padded = -size % devices
 
         def pad(x):
@@ -60,3 +60,13 @@ def across_cores(batched_fn: Callable, batched: Sequence[bool]) -> Callable:
         return jax.tree_util.tree_map(lambda x: x[:size], out) if padded else out
 
     return run
+
+
+def laid_out(tree, size: int):
+    """`tree`'s arrays (leading axis `size`) split across the devices, as `across_cores` leaves a batch they
+    divide, so that a jitted step fed its own outputs sees one input layout from the first call on (a new
+    layout is a recompile). Other batches are left as they are: at most one recompile follows."""
+    devices = len(jax.local_devices())
+    if devices == 1 or size % devices:
+        return tree
+    return jax.device_put(tree, NamedSharding(_mesh(), PartitionSpec(_AXIS)))
