@@ -120,7 +120,10 @@ def _best_static(config: Config, args: argparse.Namespace, console: Console) -> 
         name = f"{Path(args.config).stem}-static"
         console.print(f"no --study: running study {name} ({args.static_trials} trials) for the best static config")
         search = dataclasses.replace(config.search, trials=args.static_trials)
-        study = run_study(dataclasses.replace(config, search=search), name, args.storage, console=console)
+        # The study is named after the config, so an older one of that name (another config) is in the way.
+        study = run_study(dataclasses.replace(config, search=search), name, args.storage, console=console,
+                          another_config_hint="pass --storage with another file to run a new one, or --study "
+                                              "with a study of this config")
         study_config = config
     trial = chosen_trial(study, None)
     return trial_config(study_config, trial), f"study {study.study_name} trial {trial.number}"

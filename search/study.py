@@ -74,9 +74,13 @@ def _require(sampler: str, module: str, package: str) -> None:
                         f"(pip install {package})")
 
 
+ANOTHER_CONFIG_HINT = "choose a new --study name"
+
+
 def open_study(config: Config, name: str, storage: str | None,
-               sampler: Optional[BaseSampler] = None) -> optuna.Study:
-    """Create the study, or load it after checking it was made from the same problem."""
+               sampler: Optional[BaseSampler] = None, another_config_hint: str = ANOTHER_CONFIG_HINT) -> optuna.Study:
+    """Create the study, or load it after checking it was made from the same problem (if not, the error ends
+    with `another_config_hint`: what the caller's user can do about it)."""
     objectives = parse_objectives(config.search.objectives, "objectives")
     study = optuna.create_study(study_name=name, storage=open_storage(storage), sampler=sampler,
                                 directions=[o.direction for o in objectives], load_if_exists=True)
@@ -89,7 +93,7 @@ def open_study(config: Config, name: str, storage: str | None,
     elif recorded != config_hash(config):
         raise UserError(f"--study {name}: the study in {storage or DEFAULT_STORAGE} was made from another "
                         f"config or search space (hash {recorded}, this config {config_hash(config)}); "
-                        "choose a new --study name")
+                        f"{another_config_hint}")
     return study
 
 
@@ -106,13 +110,13 @@ def load_study(name: str, storage: str | None) -> tuple[optuna.Study, Config]:
 
 
 def run_study(config: Config, name: str, storage: str | None, show_progress: bool = True,
-              console: Optional[Console] = None) -> optuna.Study:
+              console: Optional[Console] = None, another_config_hint: str = ANOTHER_CONFIG_HINT) -> optuna.Study:
     """Run the study until it holds ``config.search.trials`` COMPLETE trials (or, for the grid sampler, every
     grid point has been tried), and return it."""
     search = config.search
     space = SearchSpace.from_config(config)
     objectives = parse_objectives(search.objectives, "objectives")
-    study = open_study(config, name, storage, build_sampler(search, space, len(objectives)))
+    study = open_study(config, name, storage, build_sampler(search, space, len(objectives)), another_config_hint)
     console = console or Console(stderr=True)
     for number in recover_stale_trials(study):
         console.print(f"trial {number} was left running by a stopped worker: marked FAIL and queued again")

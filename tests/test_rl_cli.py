@@ -118,3 +118,16 @@ def test_bad_input_exits_2_with_one_line(argv, message, capsys):
 def test_eval_policy_refuses_a_policy_trained_on_another_config(trained, capsys):
     assert main(["eval-policy", str(trained / POLICY_FILE), CHAT]) == 2
     assert "trained on another config" in capsys.readouterr().err
+
+
+def test_eval_policy_says_how_to_get_past_an_older_study_of_its_name(trained, tmp_path, capsys):
+    from servetune.search.study import open_study
+    storage = str(tmp_path / "s.db")
+    other = load_config(CHAT, ["workload.arrivals.rate=9"])
+    open_study(other, "chat-static", storage)   # the name eval-policy gives its study of examples/chat.yaml
+    argv = ["eval-policy", str(trained / POLICY_FILE), CHAT, *SMALL, "--seeds", "1", "--static-trials", "2",
+            "--storage", storage]
+    assert main(argv) == 2
+    error = capsys.readouterr().err.splitlines()[-1]   # after the line announcing the study
+    assert error.startswith("servetune: error: --study chat-static")
+    assert "made from another config" in error and "pass --storage with another file" in error
