@@ -919,14 +919,13 @@ def _advance(trace, params, state, slots, tokens, cost_fn, num_slots):
     # rejection releases the session's next call from then), and a completion there releases a call this
     # run does not know of; a scored queue's tenant counters read every boundary with an open seat.
     arrived = starts >= to_arrival
-    open_seat = (~params.static_batching & (members < params.max_num_seqs)
-                 & (decodes + jnp.where(in_prefill, chunk, 0) < budget))
+    seat = ~_seats_closed(params, members)
+    open_seat = seat & (decodes + jnp.where(in_prefill, chunk, 0) < budget)   # and budget left to admit with
     admits = open_seat & ((state.queue_len > 0) | arrived)
     if trace.think is not None:
         admits = admits | arrived | (members < num_running)
     elif slots.rank is not None:
         # (The counters' rule reads seats, not budget: _lift_rejoining_tenants.)
-        seat = ~_seats_closed(params, members)
         admits = admits | (seat & (arrived | (members < num_running)))
     # Step j >= 1 needs blocks for computed0 + j tokens per decoder taking part (a prefilling request has
     # its whole prompt's). One with `spare` free token positions in its blocks gains new ones at steps
@@ -959,7 +958,7 @@ def _advance(trace, params, state, slots, tokens, cost_fn, num_slots):
     had_token = slots.generated >= 1
     gap0 = jnp.where(emits0, 0.0, slots.gap + durations[0])
     emitted = (emits0 & ~is_prefill) | (is_prefill & prefill_emits)
-    sample0 = jnp.where(is_prefill, slots.gap + total, slots.gap + durations[0])
+    sample0 = slots.gap + jnp.where(is_prefill, total, durations[0])   # prefilling: the whole run
     weight0 = (emitted & had_token).astype(i32)
     sample1 = gap0 + durations[1]
     weight1 = (grow > 0).astype(i32)
@@ -980,7 +979,7 @@ def _advance(trace, params, state, slots, tokens, cost_fn, num_slots):
     blocks0 = slots.blocks
     blocks = jnp.where(grow > 0, jnp.maximum(blocks0, _ceil_div(computed, params.block_size)), blocks0)
     finished = running & (generated >= slots.output)
-    gap = jnp.where(is_prefill, jnp.where(prefill_emits, 0.0, slots.gap + total), jnp.where(grow > 0, 0.0, gap0))
+    gap = jnp.where(is_prefill, jnp.where(prefill_emits, 0.0, sample0), jnp.where(grow > 0, 0.0, gap0))
     slots = replace(slots,
         computed=computed, generated=generated, blocks=blocks,
         gap=gap, max_gap=max_gap, sum_sq_gap=sum_sq)
