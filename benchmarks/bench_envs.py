@@ -1,7 +1,8 @@
 """ServeControl speed: control steps per second for vmapped envs, each step one simulated second of the chat
 scenario (examples/chat.yaml as shipped: 4 req/s, 2,000 requests, episodes until every request is served).
 
-For 1, 64 and 1,024 envs it times the functional core (``jax.vmap(control_step)``, jitted) and the Gymnasium
+For 1, 64 and 1,024 envs it times the functional core (``jax.vmap(control_step)``, jitted, on one device), the
+same step split across the cores as the adapter splits it (servetune/parallel.py), and the Gymnasium
 vector adapter (``gymnasium.make_vec(..., vectorization_mode="vector_entry_point")``, which adds autoreset and
 the host transfers), at two slot-table sizes: the default action bounds (max_num_seqs up to 256, to cover
 vLLM's default, so a 256-slot table) and ``bounds={"max_num_seqs": (1, 64)}`` (the chat config's own 64).
@@ -29,6 +30,7 @@ import numpy as np
 import servetune  # noqa: F401  (registers the ids)
 from servetune.envs import functional_env as core
 from servetune.envs.env_world import build_world
+from servetune.parallel import across_cores, laid_out
 
 CHAT = str(Path(__file__).resolve().parent.parent / "examples" / "chat.yaml")
 
@@ -78,6 +80,25 @@ def bench_core(world, num_envs: int, steps: int) -> dict:
             "us_per_env_iteration": total / (num_envs * sum(max_iterations)) * 1e6}
 
 
+def bench_split(world, num_envs: int, steps: int) -> float:
+    """Steps per second of the core's step split across the cores as the vector adapter splits it
+    (servetune/parallel.py), the states kept in the split layout between steps."""
+    params = world.params
+    keys = jax.random.split(jax.random.PRNGKey(0), num_envs)
+    _, states = jax.jit(jax.vmap(core.control_reset, (0, None)))(keys, params)
+    actions = _batched(params.config_action, num_envs)
+    step = jax.jit(across_cores(lambda s, a, p: jax.vmap(core.control_step, (None, 0, 0, None))(None, s, a, p),
+                                (True, True, False)))
+    states = laid_out(states, num_envs)
+    jax.block_until_ready(step(states, actions, params))
+    start = time.perf_counter()
+    for _ in range(steps):
+        _, states, reward, *_ = step(states, actions, params)
+        states = laid_out(states, num_envs)
+    jax.block_until_ready(reward)
+    return steps * num_envs / (time.perf_counter() - start)
+
+
 def bench_adapter(options: dict, num_envs: int, steps: int) -> dict:
     env = gym.make_vec("servetune/ServeControl-v0", num_envs=num_envs, vectorization_mode="vector_entry_point",
                        config=CHAT, **options)
@@ -102,9 +123,9 @@ def main() -> None:
                         help="episode length (default: the config's, none: every request of the workload)")
     args = parser.parse_args()
     print(f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; episode_s {args.episode_s}")
-    print("| seats | envs | core steps/s (= serving-s per wall-s) | adapter steps/s | engine loop share "
-          "| loop iterations/step: mean, slowest env | us per env-iteration | compile s |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| seats | envs | core steps/s (= serving-s per wall-s) | core split across cores | adapter steps/s "
+          "| engine loop share | loop iterations/step: mean, slowest env | us per env-iteration | compile s |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for seats in args.seats:
         options = {"bounds": {"max_num_seqs": (1, seats)}, "episode_s": args.episode_s}
         world = build_world(CHAT, **options)
@@ -112,8 +133,10 @@ def main() -> None:
               f"episode", flush=True)
         for num_envs in args.envs:
             core_numbers = bench_core(world, num_envs, args.steps)
+            split = bench_split(world, num_envs, args.steps)
             adapter = bench_adapter(options, num_envs, args.steps)
-            print(f"| {seats} | {num_envs} | {core_numbers['steps_per_s']:,.0f} | {adapter['steps_per_s']:,.0f} "
+            print(f"| {seats} | {num_envs} | {core_numbers['steps_per_s']:,.0f} | {split:,.0f} "
+                  f"| {adapter['steps_per_s']:,.0f} "
                   f"| {core_numbers['engine_share']:.0%} | {core_numbers['iterations_mean']:.1f}, "
                   f"{core_numbers['iterations_max']:.1f} | {core_numbers['us_per_env_iteration']:.1f} "
                   f"| {core_numbers['compile_s']:.1f} |", flush=True)
