@@ -76,19 +76,23 @@ def piecewise_arrivals(cfg: WorkloadConfig, rng: np.random.Generator) -> Arrival
     """A Poisson process whose rate follows ``profile`` (each rate held until the next start, the last one
     for ever), by time-rescaling: unit-rate arrivals s_k mapped through the inverse of the cumulative rate.
 
-    When the last rate is 0 the profile ends, with fewer than ``num_requests`` requests if it comes to that.
+    When the last rate is 0 the profile ends, with fewer than ``num_requests`` requests if it comes to that;
+    with ``num_requests`` null (allowed only then) every arrival of the profile is drawn.
     """
     arrivals = cfg.arrivals
     starts_s = np.array([start for start, _ in arrivals.profile]) / arrivals.time_scale
     rates = np.array([rate for _, rate in arrivals.profile]) * arrivals.time_scale * arrivals.rate_scale
     # The expected arrivals before each start: the cumulative rate at the segment boundaries.
     cumulative = np.concatenate([[0.0], np.cumsum(rates[:-1] * np.diff(starts_s))])
-    unit_times = np.cumsum(rng.standard_exponential(cfg.num_requests))
     ended = ""
-    if rates[-1] == 0:
-        unit_times = unit_times[unit_times < cumulative[-1]]
-        if len(unit_times) < cfg.num_requests:
-            ended = f" (its rate is 0 from {starts_s[-1]:g} s: it ends short of num_requests {cfg.num_requests})"
+    if cfg.num_requests is None:
+        unit_times = _unit_arrivals_before(rng, cumulative[-1])
+    else:
+        unit_times = np.cumsum(rng.standard_exponential(cfg.num_requests))
+        if rates[-1] == 0:
+            unit_times = unit_times[unit_times < cumulative[-1]]
+            if len(unit_times) < cfg.num_requests:
+                ended = f" (its rate is 0 from {starts_s[-1]:g} s: it ends short of num_requests {cfg.num_requests})"
     # The last boundary at or below s: after a run of zero-rate segments, the positive one that follows it.
     segment = np.searchsorted(cumulative, unit_times, side="right") - 1
     arrival_s = starts_s[segment] + (unit_times - cumulative[segment]) / rates[segment]
@@ -98,6 +102,16 @@ def piecewise_arrivals(cfg: WorkloadConfig, rng: np.random.Generator) -> Arrival
     faster = "" if arrivals.time_scale == 1.0 else f", played {arrivals.time_scale:g}x faster"
     scaled = "" if arrivals.rate_scale == 1.0 else f" at {arrivals.rate_scale:g}x rate"
     return Arrivals(arrival_s, None, f"piecewise poisson arrivals over {len(starts_s)} segments{scaled}{faster}{ended}")
+
+
+def _unit_arrivals_before(rng: np.random.Generator, end: float) -> np.ndarray:
+    """A unit-rate Poisson process on [0, end): cumulative standard exponentials, drawn in blocks (the mean
+    count plus four standard deviations) until one passes ``end``."""
+    block = int(end + 4.0 * math.sqrt(end)) + 16
+    times = np.cumsum(rng.standard_exponential(block))
+    while times[-1] < end:
+        times = np.concatenate([times, times[-1] + np.cumsum(rng.standard_exponential(block))])
+    return times[times < end]
 
 
 # --- ServeGen ------------------------------------------------------------------------------------------------

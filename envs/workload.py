@@ -133,17 +133,38 @@ def _tenant_text(tenant: TenantConfig, share: float, lengths_text: str) -> str:
     return f"{tenant.name} {share:.0%} (priority {tenant.priority}, {lengths_text}{prefix})"
 
 
-def _generated_requests(cfg: WorkloadConfig, arrivals: Arrivals, rng: np.random.Generator) -> tuple[Workload, str]:
-    """Requests for generated arrivals: tenants by share, each tenant's lengths (plus its shared prefix) and
-    prefix groups; with the description of the lengths and tenants."""
+def _tenant_streams(cfg: WorkloadConfig) -> tuple[Arrivals, np.ndarray]:
+    """Each tenant's own arrival process, merged in time order (ties in tenant order), and the tenant of each
+    arrival. A tenant's stream draws from its own generator, seeded by (seed, its index), so adding or changing
+    one tenant leaves the others' arrivals as they were. With ``num_requests`` the merged stream's first that
+    many arrive."""
+    streams = [ARRIVAL_SOURCES[tenant.arrivals.kind](dataclasses.replace(cfg, arrivals=tenant.arrivals),
+                                                     np.random.default_rng([cfg.seed, index]))
+               for index, tenant in enumerate(cfg.tenants)]
+    arrival_s = np.concatenate([stream.arrival_s for stream in streams])
+    tenant_of = np.concatenate([np.full(len(stream.arrival_s), index, np.int64)
+                                for index, stream in enumerate(streams)])
+    order = np.argsort(arrival_s, kind="stable")[:cfg.num_requests]
+    texts = [f"{tenant.name}: {stream.description}" for tenant, stream in zip(cfg.tenants, streams)]
+    return Arrivals(arrival_s[order], None, f"merged arrivals of {'; '.join(texts)}"), tenant_of[order]
+
+
+def _generated_requests(cfg: WorkloadConfig, arrivals: Arrivals, rng: np.random.Generator,
+                        tenant_of: Optional[np.ndarray] = None) -> tuple[Workload, str]:
+    """Requests for generated arrivals: tenants by share (unless ``tenant_of`` says whose stream each arrival
+    came from), each tenant's lengths (plus its shared prefix) and prefix groups; with the description of the
+    lengths and tenants."""
     n = len(arrivals.arrival_s)
     if not cfg.tenants:
         prompt, output, lengths_text = LENGTH_SAMPLERS[cfg.lengths.kind](cfg.lengths, n, rng)
         return Workload(arrivals.arrival_s, prompt, output), lengths_text
     tenants = cfg.tenants
-    shares = np.array([tenant.share for tenant in tenants])
-    shares = shares / shares.sum()
-    tenant_of = rng.choice(len(tenants), size=n, p=shares)
+    if tenant_of is None:
+        shares = np.array([tenant.share for tenant in tenants])
+        shares = shares / shares.sum()
+        tenant_of = rng.choice(len(tenants), size=n, p=shares)
+    else:
+        shares = np.bincount(tenant_of, minlength=len(tenants)) / max(n, 1)   # each stream's part of the whole
     members = [tenant_of == index for index in range(len(tenants))]
     prompt, output = np.empty(n, np.int64), np.empty(n, np.int64)
     texts = []
@@ -253,8 +274,10 @@ def build_workload(cfg: WorkloadConfig) -> Workload:
     # predictor draws exactly what it did before those existed.
     rng = np.random.default_rng(cfg.seed)
     cfg = cfg if cfg.lengths is not None else dataclasses.replace(cfg, lengths=LengthsConfig(kind="trace"))
-    sessions = cfg.sessions
-    if sessions is None:
+    sessions, tenant_of = cfg.sessions, None
+    if cfg.tenant_arrivals:
+        arrivals, tenant_of = _tenant_streams(cfg)
+    elif sessions is None:
         arrivals = ARRIVAL_SOURCES[cfg.arrivals.kind](cfg, rng)
     else:
         starts = ARRIVAL_SOURCES[cfg.arrivals.kind](
@@ -263,7 +286,7 @@ def build_workload(cfg: WorkloadConfig) -> Workload:
         arrivals = starts._replace(arrival_s=np.repeat(starts.arrival_s, sessions.calls),
                                    description=_sessions_text(sessions, starts.description))
     if arrivals.trace is None:
-        workload, requests_text = _generated_requests(cfg, arrivals, rng)
+        workload, requests_text = _generated_requests(cfg, arrivals, rng, tenant_of)
     else:
         workload, requests_text = _replayed_requests(cfg, arrivals, rng)
     if sessions is not None and sessions.history:

@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from servetune.config import Config
+from servetune.config import ArrivalsConfig, Config
 from servetune.errors import UserError
 from servetune.search.evaluate import BatchEvaluator
 
@@ -36,19 +36,27 @@ class Capacity:
     probes: tuple[Probe, ...]  # every rate simulated, in order
 
 
-def scale_arrivals(config: Config, scale: float) -> Config:
-    arrivals = config.workload.arrivals
+def _scaled(arrivals: ArrivalsConfig, scale: float) -> ArrivalsConfig:
     if arrivals.kind == "poisson":
-        arrivals = dataclasses.replace(arrivals, rate=arrivals.rate * scale)
-    else:
-        arrivals = dataclasses.replace(arrivals, rate_scale=arrivals.rate_scale * scale)
-    return dataclasses.replace(config, workload=dataclasses.replace(config.workload, arrivals=arrivals))
+        return dataclasses.replace(arrivals, rate=arrivals.rate * scale)
+    return dataclasses.replace(arrivals, rate_scale=arrivals.rate_scale * scale)
+
+
+def scale_arrivals(config: Config, scale: float) -> Config:
+    """Every arrival rate times ``scale``: the workload's, or each tenant's own."""
+    workload = config.workload
+    if workload.tenant_arrivals:
+        tenants = tuple(dataclasses.replace(tenant, arrivals=_scaled(tenant.arrivals, scale))
+                        for tenant in workload.tenants)
+        return dataclasses.replace(config, workload=dataclasses.replace(workload, tenants=tenants))
+    return dataclasses.replace(config, workload=dataclasses.replace(workload, arrivals=_scaled(workload.arrivals,
+                                                                                                scale)))
 
 
 def offered_rate(config: Config, evaluator: BatchEvaluator) -> float:
     """Requests per second: a Poisson workload's rate, or a trace's mean rate over its span. With sessions, the
     arrivals start sessions and every session's calls arrive in time: calls per session times that rate."""
-    if config.workload.arrivals.kind == "poisson":
+    if config.workload.arrivals.kind == "poisson" and not config.workload.tenant_arrivals:
         sessions = config.workload.sessions
         return config.workload.arrivals.rate * (1 if sessions is None else sessions.calls)
     arrival_s = evaluator.workload(config).arrival_s

@@ -56,6 +56,8 @@ class TenantConfig:
     """One tenant (or request class) of a generated workload."""
     name: str = "default"
     share: float = 1.0               # its fraction of the arrivals (shares are normalised)
+    arrivals: Optional[ArrivalsConfig] = None  # its own arrival process (a client with its own day); set it
+                                     # for every tenant or none: the streams merge, and share is unused
     priority: int = 0                # lower is served first by the priority order
     lengths: Optional[LengthsConfig] = None   # null: the workload's lengths
     slo: Optional["SloConfig"] = None         # null: the config's slo; a class SLO sets edf deadlines
@@ -83,6 +85,11 @@ class WorkloadConfig:
     max_model_len: Optional[int] = None   # prompt + output cut to this many tokens; cuts are counted
     tenants: Any = None              # a list of TenantConfig mappings; null: one tenant
     sessions: Optional[SessionsConfig] = None   # null: open-loop arrivals, every request on its own
+
+    @property
+    def tenant_arrivals(self) -> bool:
+        """Whether each tenant brings its own arrival process (``workload.arrivals`` then unused)."""
+        return bool(self.tenants) and all(tenant.arrivals is not None for tenant in self.tenants)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import yaml
 
 from servetune.config import (
-    STEERABLE_KNOBS, Config, KnobConfig, LengthsConfig, RlConfig, SchedulerConfig, SearchConfig, SloConfig,
+    STEERABLE_KNOBS, ArrivalsConfig, Config, KnobConfig, LengthsConfig, RlConfig, SchedulerConfig, SearchConfig, SloConfig,
     TenantConfig, WorkloadConfig,
 )
 from servetune.envs.lengths import MAX_TOKEN_COUNT, LognormalSpec
@@ -376,7 +376,9 @@ def _require_arrival_fields(workload: WorkloadConfig, report: _Reporter, *names:
         if getattr(workload.arrivals, name) is None:
             raise report.bad_value(f"workload.arrivals.{name}", None,
                                    f"{_ARRIVAL_EXPECTATIONS[name]} for {kind} arrivals")
-    if workload.num_requests is None and kind != "servegen":
+    # A ServeGen day and a piecewise profile that ends (its last rate 0, checked with the profile) end by
+    # themselves; the other kinds run for ever.
+    if workload.num_requests is None and kind not in ("servegen", "piecewise"):
         raise report.bad_value("workload.num_requests", None, f"an integer ≥ 1 for {kind} arrivals")
 
 
@@ -429,6 +431,10 @@ def _check_piecewise_arrivals(workload: WorkloadConfig, report: _Reporter, base_
         segments.append((start, rate))
     if not any(rate > 0 for _, rate in segments):
         raise report.bad_value(key, profile, "at least one segment with a rate > 0")
+    if workload.num_requests is None and segments[-1][1] != 0:
+        raise report.bad_value("workload.num_requests", None, "an integer ≥ 1 for piecewise arrivals whose last "
+                                                              "rate is not 0 (a profile ending in rate 0 ends by "
+                                                              "itself)")
     return dataclasses.replace(workload, arrivals=dataclasses.replace(workload.arrivals, profile=tuple(segments)))
 
 
@@ -573,19 +579,40 @@ class _RenamedReporter(_Reporter):
         return super().error(self._shown(key), self._shown(problem))
 
 
-def _check_tenant(data: Any, index: int, arrivals_kind: str, report: _Reporter, base_dir: Path) -> TenantConfig:
+def _check_tenant(data: Any, index: int, workload: WorkloadConfig, report: _Reporter, base_dir: Path) -> TenantConfig:
     shown = f"workload.tenants[{index}]"
     own = dict(data) if isinstance(data, dict) else data
-    nested = {name: own.pop(name, None) for name in ("lengths", "slo")} if isinstance(own, dict) else {}
+    nested = ({name: own.pop(name, None) for name in ("lengths", "slo", "arrivals")} if isinstance(own, dict)
+              else {})
     tenant = _build_section(TenantConfig, own, "workload.tenants", _RenamedReporter(report, "workload.tenants", shown))
-    lengths, slo = nested.get("lengths"), nested.get("slo")
+    lengths, slo, arrivals = nested.get("lengths"), nested.get("slo"), nested.get("arrivals")
+    arrivals_kind = workload.arrivals.kind
+    if arrivals is not None:
+        if isinstance(own, dict) and "share" in own:
+            raise report.error(f"{shown}.share", "expected none with the tenant's own arrivals (its arrival "
+                                                 "process says how much it sends)")
+        arrivals = _check_tenant_arrivals(arrivals, workload, _RenamedReporter(report, "workload.arrivals",
+                                                                               f"{shown}.arrivals"), base_dir)
+        arrivals_kind = arrivals.kind
     if lengths is not None:
         lengths_report = _RenamedReporter(report, "workload.lengths", f"{shown}.lengths")
         lengths = _check_lengths(_build_section(LengthsConfig, lengths, "workload.lengths", lengths_report),
                                  arrivals_kind, lengths_report, base_dir)
     if slo is not None:
         slo = _build_section(SloConfig, slo, "slo", _RenamedReporter(report, "slo", f"{shown}.slo"))
-    return dataclasses.replace(tenant, lengths=lengths, slo=slo)
+    return dataclasses.replace(tenant, lengths=lengths, slo=slo, arrivals=arrivals)
+
+
+def _check_tenant_arrivals(data: Any, workload: WorkloadConfig, report: _Reporter, base_dir: Path) -> ArrivalsConfig:
+    """A tenant's own arrival process: checked by the workload's arrival rules, as if it were the workload's.
+    Generated kinds only: a replayed trace already says which tenant sent each request."""
+    arrivals = _build_section(ArrivalsConfig, data, "workload.arrivals", report)
+    if arrivals.kind == "trace":
+        raise report.bad_value("workload.arrivals.kind", "trace", "a generated kind for a tenant's own arrivals "
+                                                                  "(a trace names its tenants itself)")
+    alone = dataclasses.replace(workload, arrivals=arrivals)
+    _check_unused_arrival_fields(alone, report)
+    return ARRIVAL_RULES[arrivals.kind](alone, report, base_dir).arrivals
 
 
 def _check_tenants(workload: WorkloadConfig, report: _Reporter, base_dir: Path) -> WorkloadConfig:
@@ -595,8 +622,7 @@ def _check_tenants(workload: WorkloadConfig, report: _Reporter, base_dir: Path) 
     if not isinstance(tenants, (list, tuple)) or not tenants:
         raise report.bad_value("workload.tenants", tenants, "a non-empty list of tenants, such as "
                                                             "[{name: chat, share: 0.8}, {name: batch, share: 0.2}]")
-    checked = tuple(_check_tenant(tenant, index, workload.arrivals.kind, report, base_dir)
-                    for index, tenant in enumerate(tenants))
+    checked = tuple(_check_tenant(tenant, index, workload, report, base_dir) for index, tenant in enumerate(tenants))
     for index, tenant in enumerate(checked):
         if tenant.name in (earlier.name for earlier in checked[:index]):
             raise report.bad_value(f"workload.tenants[{index}].name", tenant.name, "a name no earlier tenant has")
@@ -604,12 +630,24 @@ def _check_tenants(workload: WorkloadConfig, report: _Reporter, base_dir: Path) 
             raise report.bad_value(f"workload.tenants[{index}].prefix_tokens", tenant.prefix_tokens,
                                    f"≤ max_model_len - 2 = {workload.max_model_len - 2}, so that a cut prompt keeps "
                                    "its whole prefix and a token of its own")
+    own = [tenant.arrivals is not None for tenant in checked]
+    if any(own):
+        if not all(own):
+            missing = own.index(False)
+            raise report.error(f"workload.tenants[{missing}].arrivals",
+                               "expected arrivals here too: either every tenant has its own arrivals or none has")
+        if workload.arrivals != ArrivalsConfig():
+            raise report.error("workload.arrivals", "expected none when every tenant has its own arrivals (their "
+                                                    "streams merge into the workload's)")
     return dataclasses.replace(workload, tenants=checked)
 
 
 def _check_workload(workload: WorkloadConfig, report: _Reporter, base_dir: Path) -> WorkloadConfig:
-    _check_unused_arrival_fields(workload, report)
-    workload = ARRIVAL_RULES[workload.arrivals.kind](workload, report, base_dir)
+    tenants = workload.tenants if isinstance(workload.tenants, (list, tuple)) else ()
+    if not any(isinstance(tenant, dict) and tenant.get("arrivals") is not None for tenant in tenants):
+        # With the tenants' own arrivals the workload's are unused (_check_tenants refuses any set).
+        _check_unused_arrival_fields(workload, report)
+        workload = ARRIVAL_RULES[workload.arrivals.kind](workload, report, base_dir)
     if workload.lengths is None:
         # `lengths: null` is the same as leaving it out, which only trace arrivals allow.
         if workload.arrivals.kind != "trace":

@@ -320,6 +320,7 @@ def test_bad_workloads_are_named(workload, expected):
 # --- generated workloads: arrival processes, length distributions, tenants ---------------------------------
 
 _TENANT = {"name": "a"}
+_OWN = {"kind": "poisson", "rate": 2}   # a tenant's own arrival process
 
 
 @pytest.mark.parametrize(
@@ -406,7 +407,7 @@ _TENANT = {"name": "a"}
         # tenants: their own fields, and their lengths and SLO under the lengths' and the slo section's rules
         ({"tenants": []}, "workload.tenants: got [], expected a non-empty list of tenants"),
         ({"tenants": {"name": "a"}}, "workload.tenants: got {name: 'a'}, expected a non-empty list of tenants"),
-        ({"tenants": [5]}, "workload.tenants[0]: got 5, expected a mapping with keys name, share, priority"),
+        ({"tenants": [5]}, "workload.tenants[0]: got 5, expected a mapping with keys name, share, arrivals, priority"),
         ({"tenants": [_TENANT, {"name": "b", "share": 0}]}, "workload.tenants[1].share: got 0, expected a finite "
                                                             "number > 0"),
         ({"tenants": [{"name": "a", "shares": 2}]}, "workload.tenants[0].shares: unknown key; did you mean "
@@ -437,6 +438,27 @@ _TENANT = {"name": "a"}
          "workload.tenants[0].lengths.path: got 'absent.csv', expected an existing length sample"),
         ({"tenants": [{"name": "a", "lengths": {"kind": "lognormal", "prompt_tokens": {"median": 9}}}]},
          "workload.tenants[0].lengths.prompt_tokens.sigma: missing"),
+        # tenants with their own arrivals: every tenant or none, no share, no workload arrivals, no trace
+        ({"tenants": [{"name": "a", "arrivals": _OWN}, {"name": "b"}]},
+         "workload.tenants[1].arrivals: expected arrivals here too: either every tenant has its own arrivals or "
+         "none has"),
+        ({"tenants": [{"name": "a", "share": 2, "arrivals": _OWN}]},
+         "workload.tenants[0].share: expected none with the tenant's own arrivals"),
+        ({"arrivals": {"kind": "poisson", "rate": 2}, "tenants": [{"name": "a", "arrivals": _OWN}]},
+         "workload.arrivals: expected none when every tenant has its own arrivals"),
+        ({"tenants": [{"name": "a", "arrivals": {"kind": "trace", "path": "tiny_processed.csv",
+                                                 "format": "processed"}}]},
+         "workload.tenants[0].arrivals.kind: got 'trace', expected a generated kind for a tenant's own arrivals"),
+        ({"tenants": [{"name": "a", "arrivals": {"kind": "gamma", "rate": 2}}]},
+         "workload.tenants[0].arrivals.cv: got null, expected a number > 0 for gamma arrivals"),
+        ({"tenants": [{"name": "a", "arrivals": {"kind": "poisson", "rte": 2}}]},
+         "workload.tenants[0].arrivals.rte: unknown key; did you mean workload.tenants[0].arrivals.rate?"),
+        ({"tenants": [{"name": "a", "arrivals": {"kind": "poisson", "rate": 2, "cv": 3}}]},
+         "workload.tenants[0].arrivals.cv: got 3.0, expected null for poisson arrivals (cv is for gamma)"),
+        ({"num_requests": None, "tenants": [{"name": "a", "arrivals": {"kind": "poisson", "rate": 2}}]},
+         "workload.num_requests: got null, expected an integer ≥ 1 for poisson arrivals"),
+        ({"num_requests": None, "arrivals": {"kind": "piecewise", "profile": [[0, 1], [10, 2]]}},
+         "workload.num_requests: got null, expected an integer ≥ 1 for piecewise arrivals whose last rate is not 0"),
     ],
 )
 def test_bad_generated_workloads_are_named(workload, expected):

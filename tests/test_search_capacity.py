@@ -14,7 +14,7 @@ from servetune.envs.simulator import simulate_workload
 from servetune.envs.workload import build_workload
 from servetune.errors import UserError
 from servetune.pipeline import resolve
-from servetune.search.capacity import find_capacity, offered_rate
+from servetune.search.capacity import find_capacity, offered_rate, scale_arrivals
 from servetune.search.evaluate import BatchEvaluator, use_persistent_compilation_cache
 
 TOLERANCE = 0.02
@@ -81,3 +81,17 @@ def test_the_offered_rate_of_sessions_counts_their_calls():
                                               "sessions": {"calls": 5, "think_s": 1.0}}})
     assert offered_rate(sessions, BatchEvaluator()) == 20.0
     assert offered_rate(_config(), BatchEvaluator()) == 4.0
+
+
+def test_tenants_with_their_own_arrivals_are_each_scaled():
+    # Clients of 1 and 3 req/s: scaled by 2, they send 2 and 6 (each stream its own Poisson process), and the
+    # offered rate is the merged stream's, measured from its arrivals (8 req/s within four standard errors).
+    config = config_from_dict({"workload": {"num_requests": 4000, "tenants": [
+        {"name": "a", "arrivals": {"kind": "poisson", "rate": 1.0}},
+        {"name": "b", "arrivals": {"kind": "piecewise", "profile": [[0, 3.0]]}}]}})
+    scaled = scale_arrivals(config, 2.0)
+    assert [tenant.arrivals.rate for tenant in scaled.workload.tenants] == [2.0, 4.0]   # b's rate field is unread
+    assert [tenant.arrivals.rate_scale for tenant in scaled.workload.tenants] == [1.0, 2.0]
+    assert offered_rate(scaled, BatchEvaluator()) == pytest.approx(8.0, rel=4 / np.sqrt(4000))
+    workload = build_workload(scaled.workload)
+    assert np.mean(workload.tenant == 0) == pytest.approx(0.25, abs=4 * np.sqrt(0.25 * 0.75 / 4000))

@@ -460,6 +460,56 @@ def test_tenants_take_their_shares_priorities_lengths_and_prefixes():
            "one of 4); batch 30%" in workload.description
 
 
+NIGHT = {"kind": "piecewise", "profile": [[0, 2.0], [100, 0.0]]}              # 200 expected, all before 100 s
+EVENING = {"kind": "piecewise", "profile": [[0, 0.0], [50, 6.0], [80, 0.0]]}   # 180 expected, in [50, 80) s
+
+
+def test_tenants_with_their_own_arrivals_merge_their_streams_each_as_its_process_says():
+    tenants = [{"name": "night", "arrivals": NIGHT},
+               {"name": "evening", "arrivals": EVENING, "lengths": {"kind": "fixed", "prompt_tokens": 9,
+                                                                    "output_tokens": 3}}]
+    workload = build_workload(generated({}, num_requests=None, seed=5, tenants=tenants))
+    assert workload.tenant_names == ("night", "evening")
+    assert np.all(np.diff(workload.arrival_s) >= 0)
+    night, evening = workload.tenant == 0, workload.tenant == 1
+    assert workload.arrival_s[night].max() < 100 and abs(night.sum() - 200) < poisson_count_bound(200)
+    assert workload.arrival_s[evening].min() >= 50 and workload.arrival_s[evening].max() < 80
+    assert abs(evening.sum() - 180) < poisson_count_bound(180)
+    # Each tenant's own lengths (evening) or the workload's (night: the default fixed 512 / 128).
+    assert set(workload.prompt_tokens[evening].tolist()) == {9} and set(workload.prompt_tokens[night].tolist()) == {512}
+    shares = f"night {night.mean():.0%} (priority 0"
+    assert workload.description.startswith("merged arrivals of night: piecewise") and shares in workload.description
+    # A tenant's stream has its own generator: adding the evening client leaves the night's arrivals as they were.
+    alone = build_workload(generated({}, num_requests=None, seed=5, tenants=tenants[:1]))
+    np.testing.assert_array_equal(alone.arrival_s, workload.arrival_s[night])
+    again = build_workload(generated({}, num_requests=None, seed=5, tenants=tenants))
+    np.testing.assert_array_equal(again.arrival_s, workload.arrival_s)
+    np.testing.assert_array_equal(again.tenant, workload.tenant)
+
+
+def test_with_num_requests_the_merged_streams_first_arrivals_are_kept():
+    # Two Poisson clients of 1 and 3 req/s merge into one of 4 req/s: its first n arrivals span n / 4 s, a
+    # quarter of them from the first client.
+    n = 8000
+    tenants = [{"name": "a", "arrivals": {"kind": "poisson", "rate": 1.0}},
+               {"name": "b", "arrivals": {"kind": "poisson", "rate": 3.0}}]
+    workload = build_workload(generated({}, num_requests=n, seed=2, tenants=tenants))
+    assert workload.num_requests == n
+    assert abs(np.mean(workload.tenant == 0) - 0.25) < binomial_bound(0.25, n)
+    assert workload.arrival_s[-1] == pytest.approx(n / 4.0, rel=4 / math.sqrt(n))
+
+
+def test_a_piecewise_profile_ending_at_rate_zero_draws_all_its_arrivals_without_num_requests():
+    for seed in range(3):
+        workload = build_workload(generated({"kind": "piecewise", "profile": [[0, 3.0], [40, 1.0], [100, 0.0]],
+                                             "time_scale": 2.0}, num_requests=None, seed=seed))
+        assert workload.arrival_s[-1] < 50   # the profile's 100 s, played twice as fast
+        expected = 3.0 * 40 + 1.0 * 60
+        assert abs(workload.num_requests - expected) < poisson_count_bound(expected)
+        counts = np.histogram(workload.arrival_s, bins=[0, 20, 50])[0]
+        assert abs(counts[0] - 120) < poisson_count_bound(120) and abs(counts[1] - 60) < poisson_count_bound(60)
+
+
 def test_trace_tenants_get_the_configs_priorities_by_name_and_the_rest_is_said():
     config = WorkloadConfig(
         arrivals=ArrivalsConfig(kind="trace", path=str(FIXTURES / "traces" / "tiny_servetune.csv"), format="servetune"),
