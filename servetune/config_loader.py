@@ -588,9 +588,10 @@ def _check_tenant(data: Any, index: int, workload: WorkloadConfig, report: _Repo
     lengths, slo, arrivals = nested.get("lengths"), nested.get("slo"), nested.get("arrivals")
     arrivals_kind = workload.arrivals.kind
     if arrivals is not None:
-        if isinstance(own, dict) and "share" in own:
-            raise report.error(f"{shown}.share", "expected none with the tenant's own arrivals (its arrival "
-                                                 "process says how much it sends)")
+        # A recorded config holds the default share of 1 for every tenant: only another value is refused.
+        if tenant.share != 1.0:
+            raise report.bad_value(f"{shown}.share", tenant.share, "none with the tenant's own arrivals (its arrival "
+                                                                   "process says how much it sends)")
         arrivals = _check_tenant_arrivals(arrivals, workload, _RenamedReporter(report, "workload.arrivals",
                                                                                f"{shown}.arrivals"), base_dir)
         arrivals_kind = arrivals.kind
