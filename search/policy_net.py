@@ -17,9 +17,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# The first policy's spread in action units: exp(-0.5) ~ 0.6 of the [-1, 1] range's half width, enough to try
-# every knob's whole range without pinning most samples at its clipped ends.
-INITIAL_LOG_STD = -0.5
 OBS_CLIP = 10.0     # normalised observations beyond this many standard deviations are clipped
 VAR_EPS = 1e-8
 
@@ -34,7 +31,10 @@ def _mlp_init(key, sizes: Sequence[int], out_gain: float) -> list:
     return layers
 
 
-def init_network(key, obs_size: int, action_size: int, hidden: Sequence[int], initial_action=None) -> dict:
+def init_network(key, obs_size: int, action_size: int, hidden: Sequence[int], initial_action=None,
+                 log_std_init: float = -0.5) -> dict:
+    """``log_std_init`` -0.5 spreads the first samples over ~0.6 of the [-1, 1] range's half width: enough to
+    try every knob's whole range without pinning most samples at its clipped ends."""
     actor_key, critic_key = jax.random.split(key)
     actor = _mlp_init(actor_key, [obs_size, *hidden, action_size], 0.01)
     if initial_action is not None:
@@ -42,7 +42,7 @@ def init_network(key, obs_size: int, action_size: int, hidden: Sequence[int], in
         actor[-1] = (w, jnp.asarray(initial_action, jnp.float32))
     return {
         "actor": actor,
-        "log_std": jnp.full(action_size, INITIAL_LOG_STD, jnp.float32),
+        "log_std": jnp.full(action_size, log_std_init, jnp.float32),
         "critic": _mlp_init(critic_key, [obs_size, *hidden, 1], 1.0),
     }
 

@@ -164,7 +164,8 @@ def make_train(env: EnvSpec, rl: RlConfig) -> Trainer:
 
     def init(key) -> TrainState:
         network_key, env_key, key = jax.random.split(key, 3)
-        network = net.init_network(network_key, env.obs_size, env.action_size, rl.hidden, env.initial_action)
+        network = net.init_network(network_key, env.obs_size, env.action_size, rl.hidden, env.initial_action,
+                                   rl.log_std_init)
         pairs = jax.vmap(jax.random.split)(jax.random.split(env_key, num_envs))
         obs, env_state = jax.vmap(env.reset, (0, None))(pairs[:, 1], env.params)
         obs_stats = update_stats(empty_stats(env.obs_size), obs)

@@ -181,6 +181,8 @@ class RlConfig:
     vf_coef: float = 0.5
     max_grad_norm: float = 0.5
     hidden: Any = (64, 64)           # widths of the actor's and the critic's hidden layers
+    log_std_init: float = -0.5       # the first policy's log spread in action units (Stable-Baselines3's name);
+                                     # lower keeps early samples near a tuned config's knobs
     seed: int = 0                    # network initialisation and action sampling
     checkpoint_every: int = 10       # updates between checkpoints
 

@@ -93,6 +93,26 @@ def test_same_seed_same_parameters_and_another_seed_differs():
     assert not all(np.array_equal(x, y) for x, y in zip(leaves(a), leaves(c)))
 
 
+@pytest.mark.parametrize("log_std_init", [-0.5, -2.0])
+def test_the_first_rollouts_actions_spread_by_log_std_init_around_the_initial_action(log_std_init):
+    # The reward is the action's squared distance from the initial action, recorded before any learning: over
+    # the first rollout its mean is the variance exp(2 log_std_init) of the policy's noise (chi-squared: relative
+    # standard error sqrt(2 / n)); a mean action off the initial one by d would add d².
+    def step(key, state, action, params):
+        return jnp.zeros(1, jnp.float32), state, (action[0] - 0.3) ** 2, jnp.asarray(False), jnp.asarray(False), {}
+
+    spec = EnvSpec(lambda key, params: (jnp.zeros(1, jnp.float32), jnp.int32(0)), step, None, obs_size=1,
+                   action_size=1, initial_action=jnp.array([0.3], jnp.float32))
+    rl = dataclasses.replace(RlConfig(), num_envs=64, num_steps=32, timesteps=64 * 32, num_minibatches=4,
+                             log_std_init=log_std_init)
+    trainer = make_train(spec, rl)
+    state = trainer.init(jax.random.PRNGKey(0))
+    assert float(state.network["log_std"][0]) == log_std_init
+    _, metrics = trainer.update(state)
+    variance, n = float(np.exp(2 * log_std_init)), 64 * 32
+    assert float(metrics["reward_per_step"]) == pytest.approx(variance, rel=4 * np.sqrt(2 / n))
+
+
 def test_running_statistics_equal_numpy_over_all_batches():
     rng = np.random.default_rng(0)
     batches = [rng.normal(3.0, 2.0, size=(n, 3)).astype(np.float32) for n in (5, 64, 1, 200)]
