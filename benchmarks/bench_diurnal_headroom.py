@@ -19,8 +19,11 @@ An RL policy that only learned "which phase is it" could reach it; one that reac
    is reported, with vLLM's defaults for scale.
 4. Speed: ``gymnasium.make_vec(..., num_envs=256, vectorization_mode="vector_entry_point")`` steps per second.
 
-    python benchmarks/bench_diurnal_headroom.py                       # the BENCHMARKS.md section
+    python benchmarks/bench_diurnal_headroom.py --max-num-seqs 128 --phase-hours 7,11   # examples/diurnal.yaml
+    python benchmarks/bench_diurnal_headroom.py --config examples/scenarios/diurnal_chat.yaml --phase-hours 8,11,17
     python benchmarks/bench_diurnal_headroom.py --static-trials 0 --candidates 64 --rounds 1   # a quick look
+
+The rate profile and phase clock come from the config's ServeGen arrivals, or its tenants' own.
 """
 from __future__ import annotations
 
@@ -45,25 +48,31 @@ from servetune.envs.arrivals import read_servegen_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 DIURNAL = "examples/diurnal.yaml"   # run from the repository root (the study hash includes the path)
-BOUNDS = {"max_num_seqs": (1, 64)}
 
 
 def phases_from_profile(config_path: str, overrides, horizon_s: float, hours: list[float]) -> list[tuple[float, float]]:
     """Phase boundaries given in hours of the (uncompressed) day, mapped to the compressed clock."""
-    config = load_env_config(config_path, overrides)
-    scale = config.workload.arrivals.time_scale
+    workload = load_env_config(config_path, overrides).workload
+    scales = {tenant.arrivals.time_scale for tenant in workload.tenants} if workload.tenant_arrivals \
+        else {workload.arrivals.time_scale}
+    if len(scales) != 1:
+        raise SystemExit(f"{config_path}: the tenants' arrivals play their days at different speeds {sorted(scales)}")
+    scale = scales.pop()
     edges = sorted({0.0, *[h * 3600.0 / scale for h in hours], horizon_s})
     return [(a, b) for a, b in zip(edges[:-1], edges[1:]) if a < horizon_s]
 
 
 def rate_profile(config_path: str, overrides) -> list[tuple[float, float]]:
-    """(start s, rate req/s) of each window on the compressed clock, as the arrivals generate them."""
-    config = load_env_config(config_path, overrides)
-    arrivals = config.workload.arrivals
-    path = Path(config_path).resolve().parent / arrivals.path if not Path(arrivals.path).is_absolute() \
-        else Path(arrivals.path)
-    windows = read_servegen_trace(path if path.exists() else arrivals.path)
-    return [(w.start_s / arrivals.time_scale, w.rate * arrivals.rate_scale * arrivals.time_scale) for w in windows]
+    """(start s, rate req/s) of each window on the compressed clock, as the arrivals generate them: the
+    workload's ServeGen arrivals, or the sum of its tenants' own."""
+    workload = load_env_config(config_path, overrides).workload
+    sources = [tenant.arrivals for tenant in workload.tenants] if workload.tenant_arrivals else [workload.arrivals]
+    total: dict[float, float] = {}
+    for arrivals in sources:
+        for window in read_servegen_trace(arrivals.path):   # the loader made the path absolute
+            start = window.start_s / arrivals.time_scale
+            total[start] = total.get(start, 0.0) + window.rate * arrivals.rate_scale * arrivals.time_scale
+    return sorted(total.items())
 
 
 class Evaluator:
@@ -160,6 +169,7 @@ def main() -> None:
     parser.add_argument("--config", default=DIURNAL)
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--interval-s", type=float, default=5.0)
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="the env's bound on max_num_seqs")
     parser.add_argument("--phase-hours", default="8,11",
                         help="phase boundaries in hours of the uncompressed day (default: trough | peak | day)")
     parser.add_argument("--tune-seeds", type=int, default=3, help="workload variants 0..n-1 used for tuning")
@@ -179,7 +189,8 @@ def main() -> None:
 
     variants_tune = list(range(args.tune_seeds))
     variants_test = list(range(args.tune_seeds, args.tune_seeds + args.test_seeds))
-    options = dict(bounds=BOUNDS, interval_s=args.interval_s, num_workloads=args.tune_seeds + args.test_seeds,
+    bounds = {"max_num_seqs": (1, args.max_num_seqs)}
+    options = dict(bounds=bounds, interval_s=args.interval_s, num_workloads=args.tune_seeds + args.test_seeds,
                    miss_penalty=args.miss_penalty)
     world = build_world(args.config, overrides=args.overrides, **options)
     config = world.config
@@ -191,7 +202,7 @@ def main() -> None:
     phase_of_step = np.array([max(i for i, (a, _) in enumerate(phases) if s >= a) for s in step_start])
     P = len(phases)
     A = int(world.params.config_action.shape[0])
-    result = {"config": args.config, "overrides": args.overrides, "options": {**options, "bounds": BOUNDS},
+    result = {"config": args.config, "overrides": args.overrides, "options": {**options, "bounds": bounds},
               "phases_s": phases, "requests_per_variant": list(world.window_counts)}
     profile = rate_profile(args.config, args.overrides)
     for i, (a, b) in enumerate(phases):

@@ -49,3 +49,17 @@ def test_agent_scenario_calls_arrive_a_tool_run_after_their_predecessors_finish(
     waited = r.arrival_s[follows] - np.roll(r.finish_s, 1)[follows]
     assert np.all((waited >= 0.5 - 1e-6) & (waited <= 3.0 + 1e-6))
     assert np.all(workload.prompt_tokens[follows] > np.roll(workload.prompt_tokens, 1)[follows])
+
+
+def test_the_diurnal_day_changes_its_mix_of_work_from_reasoning_at_night_to_chat():
+    # examples/diurnal.yaml merges two ServeGen clients, each on its own day: the DeepSeek-R1 client sends
+    # only from 00:00 to 07:00 (its trace's windows after 25,200 s are empty), played 120x faster: before
+    # 210 s. Its answers are long and its prompts short, the chat client's the other way round.
+    from servetune.envs.workload import build_workload
+    config = load_config(Path(__file__).resolve().parent.parent / "examples" / "diurnal.yaml")
+    workload = build_workload(config.workload)
+    chat, reasoning = (workload.tenant == workload.tenant_names.index(name) for name in ("chat", "reasoning"))
+    assert chat.any() and reasoning.any() and not (chat & reasoning).any() and (chat | reasoning).all()
+    assert workload.arrival_s[reasoning].max() < 25_200 / 120 < workload.arrival_s[chat].max()
+    assert np.median(workload.output_tokens[reasoning]) > 2 * np.median(workload.output_tokens[chat])
+    assert np.median(workload.prompt_tokens[reasoning]) < np.median(workload.prompt_tokens[chat]) / 4
