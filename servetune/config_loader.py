@@ -24,8 +24,8 @@ from typing import Any, Callable, Optional, Sequence, Union
 import yaml
 
 from servetune.config import (
-    STEERABLE_KNOBS, ArrivalsConfig, Config, KnobConfig, LengthsConfig, RlConfig, SchedulerConfig, SearchConfig, SloConfig,
-    TenantConfig, WorkloadConfig,
+    STEERABLE_KNOBS, ArrivalsConfig, Config, KnobConfig, LengthsConfig, RlConfig, SchedulerConfig, SearchConfig,
+    SloConfig, TenantConfig, WorkloadConfig,
 )
 from servetune.envs.lengths import MAX_TOKEN_COUNT, LognormalSpec
 from servetune.envs.queue_order import FEATURES
