@@ -644,8 +644,8 @@ def _check_tenants(workload: WorkloadConfig, report: _Reporter, base_dir: Path) 
 
 
 def _check_workload(workload: WorkloadConfig, report: _Reporter, base_dir: Path) -> WorkloadConfig:
-    tenants = workload.tenants if isinstance(workload.tenants, (list, tuple)) else ()
-    if not any(isinstance(tenant, dict) and tenant.get("arrivals") is not None for tenant in tenants):
+    workload = _check_tenants(workload, report, base_dir)
+    if not workload.tenant_arrivals:
         # With the tenants' own arrivals the workload's are unused (_check_tenants refuses any set).
         _check_unused_arrival_fields(workload, report)
         workload = ARRIVAL_RULES[workload.arrivals.kind](workload, report, base_dir)
@@ -658,8 +658,7 @@ def _check_workload(workload: WorkloadConfig, report: _Reporter, base_dir: Path)
             )
         workload = dataclasses.replace(workload, lengths=LengthsConfig(kind="trace"))
     lengths = _check_lengths(workload.lengths, workload.arrivals.kind, report, base_dir)
-    workload = _check_tenants(dataclasses.replace(workload, lengths=lengths), report, base_dir)
-    return _check_sessions(workload, report)
+    return _check_sessions(dataclasses.replace(workload, lengths=lengths), report)
 
 
 # A think time puts a call's arrival strictly after the event that released it, on either simulator's clock,
