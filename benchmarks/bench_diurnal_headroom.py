@@ -50,11 +50,15 @@ ROOT = Path(__file__).resolve().parent.parent
 DIURNAL = "examples/diurnal.yaml"   # run from the repository root (the study hash includes the path)
 
 
+def arrival_processes(config_path: str, overrides) -> list:
+    """The config's arrival processes: its tenants' own, or the workload's one."""
+    workload = load_env_config(config_path, overrides).workload
+    return [tenant.arrivals for tenant in workload.tenants] if workload.tenant_arrivals else [workload.arrivals]
+
+
 def phases_from_profile(config_path: str, overrides, horizon_s: float, hours: list[float]) -> list[tuple[float, float]]:
     """Phase boundaries given in hours of the (uncompressed) day, mapped to the compressed clock."""
-    workload = load_env_config(config_path, overrides).workload
-    scales = {tenant.arrivals.time_scale for tenant in workload.tenants} if workload.tenant_arrivals \
-        else {workload.arrivals.time_scale}
+    scales = {arrivals.time_scale for arrivals in arrival_processes(config_path, overrides)}
     if len(scales) != 1:
         raise SystemExit(f"{config_path}: the tenants' arrivals play their days at different speeds {sorted(scales)}")
     scale = scales.pop()
@@ -65,10 +69,8 @@ def phases_from_profile(config_path: str, overrides, horizon_s: float, hours: li
 def rate_profile(config_path: str, overrides) -> list[tuple[float, float]]:
     """(start s, rate req/s) of each window on the compressed clock, as the arrivals generate them: the
     workload's ServeGen arrivals, or the sum of its tenants' own."""
-    workload = load_env_config(config_path, overrides).workload
-    sources = [tenant.arrivals for tenant in workload.tenants] if workload.tenant_arrivals else [workload.arrivals]
     total: dict[float, float] = {}
-    for arrivals in sources:
+    for arrivals in arrival_processes(config_path, overrides):
         for window in read_servegen_trace(arrivals.path):   # the loader made the path absolute
             start = window.start_s / arrivals.time_scale
             total[start] = total.get(start, 0.0) + window.rate * arrivals.rate_scale * arrivals.time_scale

@@ -22,6 +22,7 @@ from servetune.envs.lengths import LognormalSpec
 from servetune.envs.traces import TRACE_PARSERS
 from servetune.errors import ConfigError, UserError
 from servetune.paths import REPO_ROOT
+from servetune.search.provenance import config_data, config_from_data
 
 EXAMPLES = REPO_ROOT / "examples"
 FIXTURES = REPO_ROOT / "tests" / "fixtures"
@@ -650,7 +651,6 @@ def test_config_errors_are_user_errors_with_one_line():
 def test_a_recorded_config_with_tenants_own_arrivals_loads_back_as_it_was():
     # Studies and policy files record every field, defaults included (a tenant's share of 1, the workload's
     # unused default arrivals): reading the record back must give the same config.
-    from servetune.search.provenance import config_data, config_from_data
     config = load_config(EXAMPLES / "diurnal.yaml")
     assert config.workload.tenant_arrivals
     assert config_from_data(config_data(config), str(EXAMPLES / "diurnal.yaml")) == config

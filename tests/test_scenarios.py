@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from servetune.config_loader import load_config
+from servetune.envs.workload import build_workload
 from servetune.pipeline import simulate_config
 
 SCENARIOS = Path(__file__).resolve().parent.parent / "examples" / "scenarios"
@@ -55,8 +56,7 @@ def test_the_diurnal_day_changes_its_mix_of_work_from_reasoning_at_night_to_chat
     # examples/diurnal.yaml merges two ServeGen clients, each on its own day: the DeepSeek-R1 client sends
     # only from 00:00 to 07:00 (its trace's windows after 25,200 s are empty), played 120x faster: before
     # 210 s. Its answers are long and its prompts short, the chat client's the other way round.
-    from servetune.envs.workload import build_workload
-    config = load_config(Path(__file__).resolve().parent.parent / "examples" / "diurnal.yaml")
+    config = load_config(SCENARIOS.parent / "diurnal.yaml")
     workload = build_workload(config.workload)
     chat, reasoning = (workload.tenant == workload.tenant_names.index(name) for name in ("chat", "reasoning"))
     assert chat.any() and reasoning.any() and not (chat & reasoning).any() and (chat | reasoning).all()
