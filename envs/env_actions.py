@@ -168,7 +168,7 @@ def config_knobs(config: Config) -> dict:
 
 
 def vllm_knobs(config: Config) -> dict:
-    """vLLM's defaults (search/baselines.py: no prefill cap, no queue limit) on top of the config's knobs.
+    """vLLM's defaults (search/baselines.py) on top of the config's knobs.
     Chunked prefill is not an action, so it stays the config's; and vLLM's queue is fcfs, which a scored
     engine cannot take, so a scored queue keeps the config's weights."""
     vllm = vllm_default_knobs(config)
@@ -176,4 +176,4 @@ def vllm_knobs(config: Config) -> dict:
             "max_num_seqs": vllm["scheduler.max_num_seqs"],
             "max_num_batched_tokens": vllm["scheduler.max_num_batched_tokens"],
             "long_prefill_token_threshold": vllm["scheduler.long_prefill_token_threshold"],
-            "max_num_queued_reqs": None}
+            "max_num_queued_reqs": vllm["scheduler.max_num_queued_reqs"]}

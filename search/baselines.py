@@ -3,7 +3,8 @@
 - ``as-configured``: the config file's own knobs.
 - ``vllm-default``: what ``vllm serve`` picks with no scheduler flags (../shared/reference/engines.md, vLLM
   0.33): 256 running requests and a 2,048-token budget on A100-class and smaller GPUs, 1,024 and 8,192 on
-  GPUs of 70 GiB or more that are not A100s; chunked prefill on, no prefill-chunk cap.
+  GPUs of 70 GiB or more that are not A100s; chunked prefill on, no prefill-chunk cap, no admission limit
+  (``max-num-queued-reqs`` unset: vLLM queues every request).
 - ``chunk-512``: vLLM's default with a 512-token step budget, the small-chunk setting often recommended to
   keep inter-token latency low while long prompts prefill.
 
@@ -30,6 +31,7 @@ def vllm_default_knobs(config: Config) -> dict[str, Any]:
         "scheduler.max_num_batched_tokens": 8192 if large else 2048,
         "scheduler.enable_chunked_prefill": True,
         "scheduler.long_prefill_token_threshold": 0,
+        "scheduler.max_num_queued_reqs": None,
     }
 
 

@@ -13,6 +13,7 @@ from servetune.config_loader import config_from_dict, load_config
 from servetune.errors import ConfigError, UserError
 from servetune.pipeline import simulate_config
 from servetune.search.evaluate import BatchEvaluator, use_persistent_compilation_cache
+from servetune.search.baselines import baselines
 from servetune.search.space import SearchSpace, apply_knobs
 from servetune.search.study import best_trials, is_feasible, open_study, run_study
 
@@ -102,6 +103,24 @@ def test_baselines_are_the_first_trials_and_vllm_defaults_follow_the_gpu(tmp_pat
     h100 = dataclasses.replace(config, hardware=dataclasses.replace(config.hardware, gpu="h100-80gb"))
     assert vllm_default_knobs(h100)["scheduler.max_num_seqs"] == 1024
     assert vllm_default_knobs(h100)["scheduler.max_num_batched_tokens"] == 8192
+
+
+def test_the_vllm_baseline_has_no_queue_limit_whatever_the_config_sets():
+    # vLLM queues every request unless max-num-queued-reqs is set, so its baseline must not borrow the config's.
+    config = load_config("examples/diurnal.yaml")
+    assert config.scheduler.max_num_queued_reqs == 4
+    chosen, skipped = baselines(config, SearchSpace.from_config(config))
+    by_name = dict(chosen)
+    assert skipped == []
+    assert by_name["vllm-default"]["scheduler.max_num_queued_reqs"] is None
+    assert by_name["chunk-512"]["scheduler.max_num_queued_reqs"] is None
+    assert by_name["as-configured"]["scheduler.max_num_queued_reqs"] == 4
+
+    no_unlimited = load_config("examples/diurnal.yaml",
+                               ["search.knobs={scheduler.max_num_queued_reqs: {choices: [1, 4, 16]}}"])
+    chosen, skipped = baselines(no_unlimited, SearchSpace.from_config(no_unlimited))
+    assert [name for name, _ in chosen] == ["as-configured"]
+    assert all("scheduler.max_num_queued_reqs" in reason for reason in skipped) and len(skipped) == 2
 
 
 def test_a_study_refuses_another_problem_under_its_name(tmp_path):
