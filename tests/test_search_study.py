@@ -12,8 +12,8 @@ from search_configs import STUDY_KNOBS, study_config
 from servetune.config_loader import config_from_dict, load_config
 from servetune.errors import ConfigError, UserError
 from servetune.pipeline import simulate_config
+from servetune.search.baselines import baselines, vllm_default_knobs
 from servetune.search.evaluate import BatchEvaluator, use_persistent_compilation_cache
-from servetune.search.baselines import baselines
 from servetune.search.space import SearchSpace, apply_knobs
 from servetune.search.study import best_trials, is_feasible, open_study, run_study
 
@@ -99,7 +99,6 @@ def test_baselines_are_the_first_trials_and_vllm_defaults_follow_the_gpu(tmp_pat
     assert by_name["chunk-512"]["scheduler.max_num_batched_tokens"] == 512
     assert by_name["as-configured"]["scheduler.max_num_seqs"] == 64
 
-    from servetune.search.baselines import vllm_default_knobs
     h100 = dataclasses.replace(config, hardware=dataclasses.replace(config.hardware, gpu="h100-80gb"))
     assert vllm_default_knobs(h100)["scheduler.max_num_seqs"] == 1024
     assert vllm_default_knobs(h100)["scheduler.max_num_batched_tokens"] == 8192
