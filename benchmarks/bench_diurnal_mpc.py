@@ -34,8 +34,8 @@ from scipy import stats
 from servetune.config_loader import load_config
 from servetune.envs import functional_env as core
 from servetune.envs.env_actions import INT_KNOBS, config_knobs, encode
-from servetune.envs.env_report import episode_metrics, episode_outcome
-from servetune.search.rl_eval import heldout_world
+from servetune.search.rl_eval import final_metrics, heldout_world, play
+from servetune.search.rl_train import intervals_per_episode
 
 
 def parse_knobs(text: str) -> dict:
@@ -76,12 +76,10 @@ def make_controller(steps: int, horizon: int):
     return jax.jit(jax.vmap(decide, (0, None, None)))
 
 
-def run_metrics(world, states) -> list[dict]:
-    """run.json's metrics of each day's final engine state, as eval-policy reports its episodes."""
-    states = jax.device_get(states)
-    return [episode_metrics(world, day, episode_outcome(world, day, jax.tree_util.tree_map(lambda x: x[day],
-                                                                                           states.engine)))
-            for day in range(len(world.workloads))]
+def hold(obs, params, action):
+    """``play``'s act for a fixed config: the same action whatever the observation."""
+    del obs, params
+    return action
 
 
 def main() -> None:
@@ -102,7 +100,7 @@ def main() -> None:
     config = load_config(args.config, args.overrides)
     world = heldout_world(config, args.episodes)
     params = world.params
-    steps = int(np.ceil(world.config.simulation.horizon_s / config.rl.interval_s))
+    steps = intervals_per_episode(world)
     static = {**config_knobs(config), **(parse_knobs(args.static) if args.static else {})}
     knobs = candidate_knobs(static, ints(args.seats), ints(args.budgets), ints(args.queues))
     candidates = jnp.asarray(np.stack([encode(k, params.bounds) for k in knobs]), jnp.float32)
@@ -110,12 +108,7 @@ def main() -> None:
     print(f"{args.episodes} held-out days (variants from {config.rl.num_workloads}), {steps} intervals of "
           f"{config.rl.interval_s:g} s, {len(knobs)} candidates, look-ahead {args.horizon} intervals")
 
-    def static_day(variant, params):
-        _, state = core.control_reset_to(variant, params)
-        state, _ = jax.lax.scan(lambda s, _: (core.control_step(None, s, candidates[0], params)[1], None),
-                                state, None, length=steps)
-        return state
-    static_runs = run_metrics(world, jax.jit(jax.vmap(static_day, (0, None)))(variants, params))
+    static_runs = play(world, hold, candidates[0]).metrics
 
     start = time.perf_counter()
     decide = make_controller(steps, args.horizon)
@@ -124,7 +117,7 @@ def main() -> None:
     for _ in track(range(steps), description="clairvoyant control"):
         states, picks = decide(states, candidates, params)
         chosen.append(np.asarray(picks))
-    controlled_runs = run_metrics(world, states)
+    controlled_runs = final_metrics(world, states)
     seconds = time.perf_counter() - start
     chosen = np.stack(chosen, axis=1)   # [episodes, steps]
 

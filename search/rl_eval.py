@@ -101,11 +101,16 @@ def play(world: World, act: Callable, extra=None) -> Episodes:
     ``policy_act`` (with ``extra = actor_arrays(policy)``): module-level functions, so that compiled rollouts
     are reused across calls."""
     states, chosen, live = jax.device_get(_run(world.params, act, extra, intervals_per_episode(world)))
-    metrics = []
-    for variant in range(len(world.workloads)):
-        engine_state = jax.tree_util.tree_map(lambda x: x[variant], states.engine)
-        metrics.append(episode_metrics(world, variant, episode_outcome(world, variant, engine_state)))
-    return Episodes(metrics, Counter(tuple(int(v) for v in row) for row in chosen[live]))
+    return Episodes(final_metrics(world, states), Counter(tuple(int(v) for v in row) for row in chosen[live]))
+
+
+def final_metrics(world: World, states) -> list[dict]:
+    """run.json's metrics of each variant's episode, from the batch of ControlStates it ended in (variant i
+    at index i)."""
+    states = jax.device_get(states)
+    return [episode_metrics(world, variant, episode_outcome(
+                world, variant, jax.tree_util.tree_map(lambda x: x[variant], states.engine)))
+            for variant in range(len(world.workloads))]
 
 
 def _summary(values: Sequence[Optional[float]]) -> dict:
