@@ -206,9 +206,10 @@ def run_models(args: argparse.Namespace) -> int:
     rows = [{"name": m.name, "layers": m.num_layers, "hidden": m.hidden_size, "heads": m.num_heads,
              "kv_heads": m.num_kv_heads, "head_dim": m.head_dim, "intermediate": m.intermediate_size,
              "vocab": m.vocab_size, "gated_mlp": m.gated_mlp, "params_b": round(m.total_params / 1e9, 2),
-             "source": m.source} for m in MODELS.values()]
+             "max_model_len": m.max_model_len, "source": m.source} for m in MODELS.values()]
     return _print_catalogue(args, rows, "models (--model also takes a config.json path; sources with --json)",
-                            ["name", "layers", "hidden", "heads", "kv_heads", "intermediate", "vocab", "params_b"])
+                            ["name", "layers", "hidden", "heads", "kv_heads", "intermediate", "vocab", "params_b",
+                             ("max_model_len", "context")])
 
 
 def run_gpus(args: argparse.Namespace) -> int:
@@ -220,16 +221,20 @@ def run_gpus(args: argparse.Namespace) -> int:
                             ["name", "bf16_tflops", "memory_gb_per_s", "memory_gib", "interconnect_gb_per_s"])
 
 
-def _print_catalogue(args: argparse.Namespace, rows: list[dict], title: str, columns: list[str]) -> int:
-    """All fields as JSON, or a table of the ``columns`` that fit a terminal."""
+def _print_catalogue(args: argparse.Namespace, rows: list[dict], title: str, columns: list) -> int:
+    """All fields as JSON, or a table of the ``columns`` that fit a terminal (a column is a key, or a
+    (key, header) pair)."""
     if args.json:
         print(json.dumps(rows))
         return 0
     table = Table(title=title)
-    for column in columns:
-        table.add_column(column, justify="left" if isinstance(rows[0][column], str) else "right",
+    headers = [column if isinstance(column, str) else column[1] for column in columns]
+    columns = [column if isinstance(column, str) else column[0] for column in columns]
+    for column, header in zip(columns, headers):
+        table.add_column(header, justify="left" if isinstance(rows[0][column], str) else "right",
                          no_wrap=column == "name")
     for row in rows:
-        table.add_row(*(f"{row[c]:g}" if isinstance(row[c], float) else str(row[c]) for c in columns))
+        table.add_row(*("-" if row[c] is None else f"{row[c]:g}" if isinstance(row[c], float) else str(row[c])
+                        for c in columns))
     Console().print(table)
     return 0

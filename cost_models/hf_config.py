@@ -3,7 +3,8 @@
 Understands the Llama/Mistral/Qwen key names (``num_hidden_layers``, ``hidden_size``, ``num_attention_heads``,
 ``num_key_value_heads``, ``intermediate_size``) and older ones: OPT's ``ffn_dim``, GPT-2/BLOOM's ``n_layer``,
 ``n_head``, ``n_embd``/``n_inner``, Falcon's ``multi_query``. Mixture-of-experts configs are refused: the
-roofline counts every weight as active.
+roofline counts every weight as active. The context length is derived as vLLM derives its default
+``max_model_len`` (see ``derived_max_model_len``).
 """
 from __future__ import annotations
 
@@ -22,6 +23,21 @@ PLAIN_MODEL_TYPES = {"opt", "bloom", "gpt2", "gpt_neox", "gptj", "phi", "falcon"
 GATED_ACTIVATIONS = {"silu", "swiglu", "swish"}
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
+# vLLM 0.33's keys for a model's length, in its order (ModelArchConfigConvertor.derive_max_model_len_and_key in
+# vllm/transformers_utils/model_arch_config_convertor.py): the smallest one present wins, then Command-R's
+# model_max_length, when present, replaces it.
+MAX_LEN_KEYS = ("max_position_embeddings",  # OPT, Llama, Mistral, Qwen, ...
+                "n_positions",              # GPT-2
+                "max_seq_len",              # MPT
+                "seq_length",               # ChatGLM2
+                "model_max_length",         # Command-R
+                "max_target_positions",     # Whisper
+                "max_sequence_length", "max_seq_length", "seq_len")
+# RoPE types whose factor vLLM does not multiply in (_get_and_verify_max_len in vllm/config/model.py): their
+# max_position_embeddings is already the extended length. Every other type with a factor (linear, dynamic, ...)
+# multiplies it.
+UNSCALED_ROPE_TYPES = {"su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling"}
+
 
 def _first(config: dict, keys: tuple[str, ...]) -> Any:
     for key in keys:
@@ -39,6 +55,63 @@ def _positive_int(config: dict, keys: tuple[str, ...], path: Path, default: Opti
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise UserError(f"{path}: {keys[0]} must be a positive integer, found {value!r}")
     return value
+
+
+def _max_len_value(config: dict, key: str, path: Path) -> Optional[int]:
+    value = config.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+        raise UserError(f"{path}: {key} must be an integer of at least 2, found {value!r}")
+    return value
+
+
+def _rope_parameters(config: dict, path: Path) -> list[dict]:
+    """The RoPE settings: ``rope_parameters`` (transformers 5) or ``rope_scaling``, one dict per layer type
+    where they are nested that way."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling")
+    if not rope:
+        return []
+    if not isinstance(rope, dict):
+        raise UserError(f"{path}: rope_scaling must be a JSON object, found {rope!r}")
+    if all(isinstance(v, dict) for v in rope.values()):
+        return [v for v in rope.values() if v]
+    return [rope]
+
+
+def derived_max_model_len(config: dict, path: Path) -> Optional[int]:
+    """vLLM's default ``max_model_len`` for this config, or None when it names no length.
+
+    Follows vLLM 0.33 (``derive_max_model_len_and_key`` and ``_get_and_verify_max_len``) for the common cases: the
+    smallest of ``MAX_LEN_KEYS`` present (``model_max_length`` overriding), times the RoPE ``factor`` unless the
+    RoPE type is in ``UNSCALED_ROPE_TYPES`` (none for Gemma 3, whose length is already scaled), and for LongRoPE
+    ``original_max_position_embeddings`` instead. Left out: a nested ``text_config`` (vLLM reads the text
+    model's settings there), transformers' per-class defaults for an absent key (LlamaConfig's 2048, ...) and
+    vLLM's 2048 when no key is present (None here), a ``params.json`` in Mistral's format, the model-specific
+    convertors (Falcon, Mamba, Gemma 4, ...), the sliding-window cap under ``--disable-sliding-window``, and the
+    tokenizer's ``model_max_length`` and sentence-transformers' ``max_seq_length`` (pooling models only).
+    """
+    lengths = {key: value for key in MAX_LEN_KEYS if (value := _max_len_value(config, key, path)) is not None}
+    if not lengths:
+        return None
+    derived = lengths.get("model_max_length") or min(lengths.values())
+    ropes = _rope_parameters(config, path)
+    rope_types = [str(rope.get("rope_type") or rope.get("type") or "default") for rope in ropes]
+    if ropes and "gemma3" not in str(config.get("model_type", "")):
+        factor = 1.0
+        for rope, rope_type in zip(ropes, rope_types):
+            if rope_type not in UNSCALED_ROPE_TYPES:
+                factor = rope.get("factor", factor)
+        if factor is None:   # vLLM falls back to 1 for a null factor
+            factor = 1.0
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
+            raise UserError(f"{path}: the RoPE scaling factor must be a positive number, found {factor!r}")
+        derived *= factor
+    if any(rope_type in ("longrope", "su") for rope_type in rope_types):
+        # vLLM defaults LongRoPE models to their pre-extension length, for speed on short sequences.
+        original = _max_len_value(config, "original_max_position_embeddings", path)
+        derived = original if original is not None else derived
+    return int(derived)
 
 
 def _gated(config: dict) -> bool:
@@ -90,4 +163,4 @@ def load_hf_config(path: Path) -> ModelSpec:
     name = path.parent.name if path.name == "config.json" and path.parent.name else path.stem
     return ModelSpec(name=name, num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads,
                      head_dim=head_dim, intermediate_size=intermediate, vocab_size=vocab, gated_mlp=_gated(config),
-                     tied_embeddings=tied, source=str(path))
+                     tied_embeddings=tied, source=str(path), max_model_len=derived_max_model_len(config, path))

@@ -133,6 +133,21 @@ def test_catalogues_are_complete_and_sane():
     assert len(GPUS) == 11
 
 
+def test_catalogue_context_lengths_match_config_json():
+    # max_position_embeddings of meta-llama/Llama-2-7b-hf/config.json: 4096 (verbatim copy in scaleapi/llm-engine,
+    # model-engine/tests/unit/domain/test_llm_use_cases.py; transformers' load log of snapshot 8a0442e8).
+    assert MODELS["llama-2-7b"].max_model_len == 4096
+    # meta-llama/Llama-3.1-8B/config.json: 131072 with rope_scaling rope_type "llama3", which vLLM does not
+    # multiply in (verbatim copy: NVIDIA/TensorRT-LLM tests/unittest/_torch/modeling/test_modeling_llama.py).
+    assert MODELS["llama-3.1-8b"].max_model_len == 131072
+    # mistralai/Mistral-7B-v0.1/config.json: 32768 (verbatim copy: mlc-ai/mlc-llm model_preset.py)
+    assert MODELS["mistral-7b"].max_model_len == 32768
+    for model in MODELS.values():
+        assert model.max_model_len is not None and model.max_model_len >= 2048, model.name
+    # aliases share their base entry, and so its context length
+    assert resolve_model("meta-llama/Llama-2-7b-chat-hf").max_model_len == 4096
+
+
 def test_unknown_names_raise_user_errors_with_suggestions():
     with pytest.raises(UserError, match=r"did you mean llama-2-7b.*known models: .*opt-13b"):
         resolve_model("llama2-7b")
@@ -294,12 +309,17 @@ def test_cost_rejects_an_empty_step(capsys):
         run_cli(capsys, "cost", "--model", "llama-2-7b")
 
 
-def test_memory_models_and_gpus_commands(capsys):
+def test_memory_models_and_gpus_commands(capsys, monkeypatch):
     code, out = run_cli(capsys, "memory", "--model", "llama-3-70b", "--gpu", "h100-80gb", "--tp", "4",
                         "--gpu-memory-utilization", "0.92", "--json")
     result = json.loads(out)
     assert code == 0 and result["token_capacity"] == result["num_kv_blocks"] * 16 > 100_000
     code, out = run_cli(capsys, "models", "--json")
-    assert code == 0 and {row["name"] for row in json.loads(out)} == set(MODELS)
+    rows = json.loads(out)
+    assert code == 0 and {row["name"] for row in rows} == set(MODELS)
+    assert all(row["max_model_len"] == MODELS[row["name"]].max_model_len for row in rows)
+    monkeypatch.setenv("COLUMNS", "120")    # wide enough for every column uncut
+    code, out = run_cli(capsys, "models")
+    assert code == 0 and "context" in out and "131072" in out
     code, out = run_cli(capsys, "gpus")
     assert code == 0 and "h200" in out
