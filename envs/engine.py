@@ -1,6 +1,6 @@
 """The JAX serving engine: vLLM V1's scheduling step as a pure function over fixed-shape arrays.
 
-The rules are the README's "Engine semantics"; ``envs/reference.py`` states them as a plain loop and
+The rules are docs/engine-semantics.md's; ``envs/reference.py`` states them as a plain loop and
 this module computes the same thing without a Python loop over requests or steps:
 
 * A **request table** (one row per request, in arrival order) holds what persists while a request is
@@ -15,7 +15,12 @@ this module computes the same thing without a Python loop over requests or steps
 * Sequential rules become prefix computations: the token budget is an exclusive cumulative sum, "stop
   at the first request that does not fit" is a prefix-AND, and preempting from the back of the running
   set until an allocation fits is a comparison of cumulative block demand against suffix sums of the
-  blocks the back requests hold.
+  blocks the back requests hold. vLLM's priority policy preempts the worst-scored request wherever it
+  runs, which no prefix captures: a scored queue's pass that must preempt runs one request at a time.
+* Async scheduling (vLLM's batch queue) is the same loop with each decision taken one step early: a
+  boundary's decision sees the arrivals up to the previous boundary (`EngineState.cutoff_*`), and the
+  requests the step that just ended completed keep their slots, seats and blocks (`Slots.leaving`) until
+  it is taken.
 * **Macro-steps.** Between events that the scheduler acts on (an admission, or a boundary where one
   could happen; a preemption; a prefill finishing) consecutive steps repeat the same schedule: every
   decode's context one token longer, requests that finish dropping out, and the one request still
@@ -38,7 +43,9 @@ import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
-from servetune.envs.outcome import ITL_HIST_BINS, ITL_HIST_MIN_S, ITL_LOG_BIN_WIDTH
+from servetune.envs.outcome import (
+    ITL_HIST_BINS, ITL_HIST_MIN_S, ITL_LOG_BIN_WIDTH, REJECT_MAX_MODEL_LEN, REJECT_QUEUE_FULL, REJECT_TENANT_RATE,
+)
 from servetune.envs.queue_order import DECODE_TOKEN_WEIGHT, FEATURES, PREFILL_TOKEN_WEIGHT
 from servetune.parallel import across_cores, use_all_cores
 from servetune.pytree import pytree_dataclass, replace
@@ -55,8 +62,6 @@ DEFICIT = FEATURES.index("deficit")
 
 # Request-table status while simulating (envs/outcome.py maps these to the reported statuses).
 PENDING, IN_SYSTEM, DONE, REJECTED = 0, 1, 2, 3
-# Rejection reasons, as in envs/outcome.py.
-KV_CAPACITY, TOKEN_BUDGET, QUEUE_FULL, TENANT_RATE = 1, 2, 3, 4
 
 f32, i32 = jnp.float32, jnp.int32
 
@@ -102,9 +107,12 @@ class EngineParams:
     chunked_prefill: jnp.ndarray           # bool
     long_prefill_token_threshold: jnp.ndarray
     block_size: jnp.ndarray
-    num_kv_blocks: jnp.ndarray
-    watermark_blocks: jnp.ndarray          # floor(watermark * num_kv_blocks), computed on the host
+    usable_kv_blocks: jnp.ndarray          # num_kv_blocks - 1: vLLM keeps block 0 back as its null block
+    watermark_blocks: jnp.ndarray          # int(watermark * num_kv_blocks), computed on the host
     max_num_queued_reqs: jnp.ndarray       # NO_LIMIT when unset
+    max_model_len: jnp.ndarray             # longer requests are refused at arrival
+    reserve_full_prompt: jnp.ndarray       # bool: admission checks that the whole prompt fits
+    pipelined: jnp.ndarray                 # bool: async scheduling (step k + 1 scheduled while step k runs)
     static_batching: jnp.ndarray           # bool
     batch_size: jnp.ndarray
     max_wait_s: jnp.ndarray
@@ -129,8 +137,9 @@ class Slots:
     gap: jnp.ndarray        # seconds since the request's last emitted token
     max_gap: jnp.ndarray
     sum_sq_gap: jnp.ndarray
+    leaving: jnp.ndarray    # async: completed by the step that just ended, so still seated at this boundary
     tenant: Any = None      # scored queues only (None under fcfs, so fcfs carries nothing extra):
-    rank: Any = None        # the score it was admitted with; the slots are kept sorted by (rank, req)
+    rank: Any = None        # the score it was admitted with: the worst is the preemption victim
 
 
 @pytree_dataclass
@@ -171,6 +180,12 @@ class EngineState:
     iterations: jnp.ndarray
     ended: jnp.ndarray
     slots_filled: jnp.ndarray  # the slot table was full while max_num_seqs allowed more: rerun with more
+    # Async scheduling, in the engine's terms: the decision at a boundary was really taken when the step that
+    # just ended started (vLLM schedules step k + 1 while step k runs). So it sees the arrivals up to then
+    # (`cutoff`), and the requests that step completed still hold their seats and blocks (`Slots.leaving`).
+    pipelined_now: jnp.ndarray  # this boundary's decision was taken a step early
+    cutoff_hi: jnp.ndarray
+    cutoff_lo: jnp.ndarray
     # Scored queues: `queue` is a pool of waiting ids in [0, queue_len), kept in id (= arrival) order so that
     # top_k, which breaks ties by position, breaks them by arrival; and per tenant a virtual
     # token counter, the requests it has in the system and whether it had any at the last step boundary.
@@ -247,7 +262,8 @@ def init_state(trace: Trace, params: EngineParams, num_slots: int, queue_shape: 
     n = trace.prompt.shape[0]
     zeros_i = jnp.zeros(num_slots, i32)
     zeros_f = jnp.zeros(num_slots, f32)
-    slots = Slots(zeros_i, zeros_i, zeros_i, zeros_i, zeros_i, zeros_i, zeros_f, zeros_f, zeros_f)
+    slots = Slots(zeros_i, zeros_i, zeros_i, zeros_i, zeros_i, zeros_i, zeros_f, zeros_f, zeros_f,
+                  jnp.zeros(num_slots, bool))
     if queue_shape is not None:
         slots = replace(slots, tenant=zeros_i, rank=zeros_f)
     queue_size = n if queue_shape is None else queue_shape.pool_size
@@ -268,12 +284,13 @@ def init_state(trace: Trace, params: EngineParams, num_slots: int, queue_shape: 
         next_arrival=jnp.asarray(0, i32),
         queue=jnp.zeros(queue_size, i32), queue_head=jnp.asarray(0, i32), queue_len=jnp.asarray(0, i32),
         slots=slots, num_running=jnp.asarray(0, i32),
-        free_blocks=jnp.asarray(params.num_kv_blocks, i32),
+        free_blocks=jnp.asarray(params.usable_kv_blocks, i32),
         requests=requests,
         steps=jnp.asarray(0, i32), scheduled_seqs=jnp.asarray(0, i32),
         kv_block_seconds=jnp.asarray(0.0, f32), in_system_seconds=jnp.asarray(0.0, f32),
         itl_histogram=jnp.zeros(ITL_HIST_BINS, i32),
         iterations=jnp.asarray(0, i32), ended=jnp.asarray(False), slots_filled=jnp.asarray(False),
+        pipelined_now=jnp.asarray(False), cutoff_hi=jnp.asarray(0.0, f32), cutoff_lo=jnp.asarray(0.0, f32),
         pool_filled=jnp.asarray(False), tenant_tokens=jnp.zeros(tenants, i32),
         pool_key=jnp.zeros(0 if queue_shape is None else queue_size, f32), pool_end=jnp.asarray(0, i32),
         pool_tenant=jnp.zeros(0 if queue_shape is None else queue_size, i32),
@@ -285,11 +302,20 @@ def init_state(trace: Trace, params: EngineParams, num_slots: int, queue_shape: 
 # ---------------------------------------------------------------------------------------------
 # Arrivals
 # ---------------------------------------------------------------------------------------------
+def _decided_at(state):
+    """When this boundary's decision is taken: now, or for async scheduling as the step that just ended began.
+    (At the horizon, the decision the run stops before.)"""
+    return (jnp.where(state.pipelined_now, state.cutoff_hi, state.clock_hi),
+            jnp.where(state.pipelined_now, state.cutoff_lo, state.clock_lo))
+
+
 def _due_at(params, state, exists, a_hi, a_lo):
-    """Whether an arrival that `exists` at (a_hi, a_lo) is due by the clock (and before the horizon)."""
+    """Whether an arrival that `exists` at (a_hi, a_lo) is due by this boundary's decision, and before the
+    horizon."""
+    until_hi, until_lo = _decided_at(state)
     return (
         exists
-        & _df_le(a_hi, a_lo, state.clock_hi, state.clock_lo)
+        & _df_le(a_hi, a_lo, until_hi, until_lo)
         & ~_df_le(params.horizon_hi, params.horizon_lo, a_hi, a_lo)
     )
 
@@ -365,18 +391,15 @@ def _process_arrivals(trace: Trace, params: EngineParams, state: EngineState, sc
     n = trace.prompt.shape[0]
     index, arrival_hi, arrival_lo, due, more_due = _due_arrivals(trace, params, state)
     safe = jnp.minimum(index, n - 1)
-    peak_tokens = trace.prompt[safe] + trace.output[safe] - 1
-    never_fits = _ceil_div(peak_tokens, params.block_size) > params.num_kv_blocks - params.watermark_blocks
-    over_budget = ~params.chunked_prefill & (peak_tokens > params.max_num_batched_tokens)
+    too_long = trace.prompt[safe] >= params.max_model_len   # vLLM's API server refuses it
     limited = trace.rate_limited[safe]
-    admissible = due & ~limited & ~never_fits & ~over_budget
-    # Once the queue is full it stays full for the rest of this batch (nothing leaves it here), so the
-    # accepted arrivals are the first admissible ones that still find room.
+    admissible = due & ~limited & ~too_long
+    # vLLM's API server counts unfinished requests, waiting and running. Nothing leaves the system here,
+    # so the accepted arrivals are the first admissible ones that still find room.
     rank = _exclusive_cumsum(admissible.astype(i32))
-    accepted = admissible & (state.queue_len + rank < params.max_num_queued_reqs)
+    accepted = admissible & (state.queue_len + state.num_running + rank < params.max_num_queued_reqs)
     rejected = due & ~accepted
-    reason = jnp.where(limited, TENANT_RATE,
-                       jnp.where(never_fits, KV_CAPACITY, jnp.where(over_budget, TOKEN_BUDGET, QUEUE_FULL)))
+    reason = jnp.where(limited, REJECT_TENANT_RATE, jnp.where(too_long, REJECT_MAX_MODEL_LEN, REJECT_QUEUE_FULL))
 
     count = jnp.sum(accepted, dtype=i32)
     arrived = Arrived(
@@ -393,8 +416,9 @@ def _process_arrivals(trace: Trace, params: EngineParams, state: EngineState, sc
     if trace.think is not None:
         req = replace(req, arrival_hi=_set_where(req.arrival_hi, index, arrival_hi, due),
                       arrival_lo=_set_where(req.arrival_lo, index, arrival_lo, due))
-        # A session's next call is released by this one's rejection, now (by its completion otherwise).
-        state = _release_next_calls(trace, state, safe, due & ~accepted, due, (state.clock_hi, state.clock_lo))
+        # A session's next call is released by this one's rejection, when the decision it came before was
+        # taken (by its completion otherwise).
+        state = _release_next_calls(trace, state, safe, due & ~accepted, due, _decided_at(state))
     # A request arriving mid-step is in the system from its arrival, though processed at the boundary.
     waited = _df_sub(state.clock_hi, state.clock_lo, arrival_hi, arrival_lo)
     next_arrival = state.next_arrival + jnp.sum(due, dtype=i32)
@@ -455,12 +479,17 @@ def _queue_front(trace: Trace, params: EngineParams, state: EngineState, arrived
     req = state.requests
     since_last = _df_sub(state.clock_hi, state.clock_lo, req.last_emit_hi[ids], req.last_emit_lo[ids])
     rows = Slots(
-        req=ids, prompt=trace.prompt[ids], output=trace.output[ids],
+        req=ids, prompt=trace.prompt[ids], output=_max_tokens(trace, params, ids),
         computed=_cached(params, ids), generated=req.generated[ids],
         blocks=jnp.zeros(num_slots, i32),  # set by the admitting caller
-        gap=since_last, max_gap=req.max_gap[ids], sum_sq_gap=req.sum_sq_gap[ids],
+        gap=since_last, max_gap=req.max_gap[ids], sum_sq_gap=req.sum_sq_gap[ids], leaving=jnp.zeros(num_slots, bool),
     )
     return rows, valid
+
+
+def _max_tokens(trace: Trace, params: EngineParams, ids):
+    """The output tokens requests `ids` ask for, as vLLM's API server cuts them to fit max_model_len."""
+    return jnp.minimum(trace.output[ids], params.max_model_len - trace.prompt[ids])
 
 
 def _lift_rejoining_tenants(state: EngineState) -> EngineState:
@@ -512,10 +541,10 @@ def _pool_front(trace: Trace, params: EngineParams, state: EngineState, num_slot
     req = state.requests
     since_last = _df_sub(state.clock_hi, state.clock_lo, req.last_emit_hi[ids], req.last_emit_lo[ids])
     rows = Slots(
-        req=ids, prompt=trace.prompt[ids], output=trace.output[ids],
+        req=ids, prompt=trace.prompt[ids], output=_max_tokens(trace, params, ids),
         computed=_cached(params, ids), generated=req.generated[ids],
         blocks=jnp.zeros(num_slots, i32),
-        gap=since_last, max_gap=req.max_gap[ids], sum_sq_gap=req.sum_sq_gap[ids],
+        gap=since_last, max_gap=req.max_gap[ids], sum_sq_gap=req.sum_sq_gap[ids], leaving=jnp.zeros(num_slots, bool),
         tenant=trace.tenant[ids], rank=-neg_score,
     )
     return rows, valid, at
@@ -598,18 +627,6 @@ def _inserted(trace, params, fields, ids, mask):
     return queue, key, tenant, queue_len + count, pool_end + count, filled | (pool_end + count > pool_size)
 
 
-def _sort_slots(slots: Slots, tokens, num_running):
-    """Scored queues keep the running set in (rank, req) order, so that the last slot is the worst. (The
-    running part and the just-admitted part are each in order already; this merges them.)"""
-    pos = jnp.arange(slots.req.shape[0], dtype=i32)
-    running = pos < num_running
-    rank, req = slots.rank, slots.req
-    before = (rank[None, :] < rank[:, None]) | ((rank[None, :] == rank[:, None]) & (req[None, :] < req[:, None]))
-    target = jnp.where(running, jnp.sum(before & running[None, :], axis=1, dtype=i32), pos)
-    source = jnp.zeros_like(pos).at[target].set(pos)
-    return jax.tree_util.tree_map(lambda x: x[source], slots), tokens[source]
-
-
 def _cached(params: EngineParams, ids):
     """Where the prefill of requests `ids` starts: after their cached prefix (envs/prefix_cache.py)."""
     if params.cached_tokens is None:
@@ -625,22 +642,29 @@ def _place_admitted(slots: Slots, start, count, rows: Slots) -> Slots:
     return jax.tree_util.tree_map(lambda old, new: jnp.where(take, new[src], old), slots, rows)
 
 
-def _capped_need(need, params):
-    """A request's wanted tokens this step: all it needs, or the long-prefill cap when chunking."""
-    return jnp.where(
-        params.chunked_prefill & (params.long_prefill_token_threshold > 0),
-        jnp.minimum(need, params.long_prefill_token_threshold), need)
+def _long_prefill_cap(params, num_in_system):
+    """This step's cap on a prefill chunk (0: none). It stops a long prompt starving the others, so vLLM
+    drops it when a single request is in the system (vllm/v1/core/sched/scheduler.py, schedule())."""
+    return jnp.where(num_in_system > 1, params.long_prefill_token_threshold, 0)
 
 
-def _take_from_budget(need, budget_left, params):
+def _capped_need(need, cap):
+    """A request's wanted tokens this step: all it needs, or the long-prefill cap (which vLLM applies with
+    chunked prefill off too)."""
+    return jnp.where(cap > 0, jnp.minimum(need, cap), need)
+
+
+def _take_from_budget(need, budget_left, params, cap, admitting: bool):
     """Budgeted passes over requests in order: each takes min(capped need, budget before it).
 
     Returns the tokens each request takes and whether the pass reaches it (the budget is positive and,
-    without chunked prefill, its whole need fits).
+    for an admission without chunked prefill, its whole capped need fits).
     """
-    capped = _capped_need(need, params)
+    capped = _capped_need(need, cap)
     budget_before = budget_left - _exclusive_cumsum(capped)
-    fits = (budget_before > 0) & (params.chunked_prefill | (capped <= budget_before))
+    fits = budget_before > 0
+    if admitting:
+        fits = fits & (params.chunked_prefill | (capped <= budget_before))
     return jnp.where(fits, jnp.minimum(capped, budget_before), 0), fits
 
 
@@ -659,7 +683,8 @@ def _form_static_batch(trace, params, state, front: Slots, valid, timeout, num_s
     )
     blocks = _ceil_div(rows.prompt + rows.generated, params.block_size)
     k = jnp.arange(num_slots, dtype=i32)
-    fits = state.free_blocks - jnp.cumsum(jnp.where(valid, blocks, 0)) >= params.watermark_blocks
+    watermark = jnp.where(k > 0, params.watermark_blocks, 0)   # as admissions: headroom for those already in
+    fits = state.free_blocks - jnp.cumsum(jnp.where(valid, blocks, 0)) >= watermark
     take = _prefix_and(valid & (k < params.batch_size) & fits) & trigger
     count = jnp.sum(take, dtype=i32)
     rows = replace(rows, blocks=blocks)
@@ -680,7 +705,7 @@ def _pop_front(trace, state: EngineState, count) -> EngineState:
                    queue_len=state.queue_len - count)
 
 
-def _running_pass(params, state, num_slots):
+def _running_pass(params, state, num_slots, cap):
     """Running requests first: budget, block allocation, and preemption of the last-admitted.
 
     Processing position i needs the blocks E_i (cumulative over positions <= i). If fewer are free,
@@ -691,8 +716,9 @@ def _running_pass(params, state, num_slots):
     s = state.slots
     pos = jnp.arange(num_slots, dtype=i32)
     running = pos < state.num_running
-    need = s.prompt + s.generated - s.computed
-    tokens, fits_budget = _take_from_budget(jnp.where(running, need, 0), params.max_num_batched_tokens, params)
+    need = jnp.where(s.leaving, 0, s.prompt + s.generated - s.computed)   # a leaving request is passed over
+    tokens, fits_budget = _take_from_budget(jnp.where(running, need, 0), params.max_num_batched_tokens, params, cap,
+                                            admitting=False)
     in_pass = running & fits_budget
     extra = jnp.where(in_pass, jnp.maximum(_ceil_div(s.computed + tokens, params.block_size) - s.blocks, 0), 0)
     demand = jnp.cumsum(extra)
@@ -719,36 +745,110 @@ def _running_pass(params, state, num_slots):
     return slots, tokens, preempted, end, free
 
 
+def _running_pass_by_score(params, state, num_slots, cap):
+    """A scored queue's running pass, vLLM's priority policy: the running set stays in admission order and a
+    failed allocation preempts the worst-scored running request, ``max(running, key=(priority, arrival))``
+    (vllm/v1/core/sched/scheduler.py) -- wherever it is: one already scheduled this step gives its tokens back
+    to the budget, and one that preempts itself lets the pass go on to the better ones after it.
+
+    Returns the slots with their new blocks, the tokens per slot, the preempted mask and the free blocks.
+    Without a preemption the fcfs pass's prefix computation is exact; with one, the pass runs a request (or
+    a preemption) at a time.
+    """
+    fcfs_slots, fcfs_tokens, fcfs_preempted, _, fcfs_free = _running_pass(params, state, num_slots, cap)
+    s = state.slots
+    pos = jnp.arange(num_slots, dtype=i32)
+    running = pos < state.num_running
+
+    def unfinished(carry):
+        at, budget = carry[:2]
+        return (at < state.num_running) & (budget > 0)
+
+    def one(carry):
+        at, budget, free, removed, tokens, extra, asked = carry
+        need = jnp.where(s.leaving[at], 0, s.prompt[at] + s.generated[at] - s.computed[at])
+        # vLLM sizes the request's share once and retries its allocation with it after each preemption,
+        # even when a victim's tokens came back to the budget.
+        take = jnp.where(asked >= 0, asked, jnp.minimum(_capped_need(need, cap), budget))
+        needed = jnp.maximum(_ceil_div(s.computed[at] + take, params.block_size) - s.blocks[at], 0)
+        alive = running & ~removed
+        worst = jnp.max(jnp.where(alive, s.rank, -jnp.inf))
+        victim = jnp.argmax(jnp.where(alive & (s.rank == worst), s.req, -1)).astype(i32)
+        acts = ~removed[at]
+        schedule = acts & (needed <= free)
+        preempt = acts & (needed > free)
+        returned_tokens, returned_blocks = tokens[victim], s.blocks[victim] + extra[victim]
+        tokens = jnp.where(schedule, tokens.at[at].set(take), jnp.where(preempt, tokens.at[victim].set(0), tokens))
+        extra = jnp.where(schedule, extra.at[at].set(needed), jnp.where(preempt, extra.at[victim].set(0), extra))
+        free = free - jnp.where(schedule, needed, 0) + jnp.where(preempt, returned_blocks, 0)
+        budget = budget - jnp.where(schedule, take, 0) + jnp.where(preempt, returned_tokens, 0)
+        removed = jnp.where(preempt, removed.at[victim].set(True), removed)
+        moves_on = removed[at] | schedule | (preempt & (victim == at))
+        return (at + moves_on.astype(i32), budget, free, removed, tokens, extra,
+                jnp.where(moves_on, -1, take).astype(i32))
+
+    zeros = jnp.zeros(num_slots, i32)
+    sequential = jnp.any(fcfs_preempted)
+    start = (jnp.where(sequential, 0, num_slots), params.max_num_batched_tokens, state.free_blocks,
+             jnp.zeros(num_slots, bool), zeros, zeros, jnp.asarray(-1, i32))
+    _, _, free, removed, tokens, extra, _ = jax.lax.while_loop(unfinished, one, start)
+    slots = replace(s, blocks=jnp.where(sequential, s.blocks + extra, fcfs_slots.blocks))
+    return (slots, jnp.where(sequential, tokens, fcfs_tokens), jnp.where(sequential, removed & running, fcfs_preempted),
+            jnp.where(sequential, free, fcfs_free))
+
+
+def _kept(slots: Slots, tokens, keep):
+    """The slots where `keep` (with their tokens), moved to the front in order, and how many there are."""
+    num_slots = keep.shape[0]
+    slots, source = _kept_slots(slots, keep, num_slots)
+    return slots, jnp.where(source < num_slots, tokens[jnp.minimum(source, num_slots - 1)], 0), jnp.sum(keep, dtype=i32)
+
+
+def _kept_slots(slots: Slots, keep, num_slots: int) -> tuple[Slots, jnp.ndarray]:
+    """The slots where `keep`, moved to the front in order (the rest zeroed), and for each new place the old
+    one it came from (num_slots: none). One scatter finds each kept slot's new place; every field then moves
+    by the same gather, which XLA fuses, where a scatter per field is a kernel per field."""
+    pos = jnp.arange(num_slots, dtype=i32)
+    target = jnp.where(keep, _exclusive_cumsum(keep.astype(i32)), num_slots)
+    source = jnp.full(num_slots, num_slots, i32).at[target].set(pos, mode="drop")
+    kept = source < num_slots
+    moved = jax.tree_util.tree_map(
+        lambda x: jnp.where(kept, x[jnp.minimum(source, num_slots - 1)], jnp.zeros((), x.dtype)), slots)
+    return moved, source
+
+
 def _requeue_preempted(trace, params, state, slots, preempted, num_slots):
     """Victims go to the front of the fcfs queue in admission order (into a scored pool at their places),
-    keeping what they emitted.
+    keeping what they emitted. A leaving victim has completed (vLLM delivers its last token as stale output
+    and finishes it from the queue): it only counts the preemption.
 
     `preempted` must already be False everywhere in an iteration that does not step the engine: the
     queue and request table are only ever written through masked scatters, never selected whole. The
     ring itself is written by `_write_queue`; here only its head moves.
     """
     n = trace.prompt.shape[0]
-    count = jnp.sum(preempted, dtype=i32)
+    requeued = preempted & ~slots.leaving
+    count = jnp.sum(requeued, dtype=i32)
     if slots.rank is None:
         state = replace(state, queue_head=(state.queue_head - count) % n, queue_len=state.queue_len + count)
     else:
-        state = _insert_into_pool(trace, params, state, slots.req, preempted)
+        state = _insert_into_pool(trace, params, state, slots.req, requeued)
     last_hi, last_lo = _df_add(state.clock_hi, state.clock_lo, -slots.gap)
     req = state.requests
     req = replace(req,
-        generated=_set_where(req.generated, slots.req, slots.generated, preempted),
+        generated=_set_where(req.generated, slots.req, slots.generated, requeued),
         preemptions=req.preemptions.at[jnp.where(preempted, slots.req, n)].add(1, mode="drop"),
-        max_gap=_set_where(req.max_gap, slots.req, slots.max_gap, preempted),
-        sum_sq_gap=_set_where(req.sum_sq_gap, slots.req, slots.sum_sq_gap, preempted),
-        last_emit_hi=_set_where(req.last_emit_hi, slots.req, last_hi, preempted),
-        last_emit_lo=_set_where(req.last_emit_lo, slots.req, last_lo, preempted),
+        max_gap=_set_where(req.max_gap, slots.req, slots.max_gap, requeued),
+        sum_sq_gap=_set_where(req.sum_sq_gap, slots.req, slots.sum_sq_gap, requeued),
+        last_emit_hi=_set_where(req.last_emit_hi, slots.req, last_hi, requeued),
+        last_emit_lo=_set_where(req.last_emit_lo, slots.req, last_lo, requeued),
     )
     return replace(state, requests=req)
 
 
-def _write_queue(trace, queue, arrived: Arrived, victims, preempted, victims_head, end, num_slots):
+def _write_queue(trace, queue, arrived: Arrived, victims, requeued, victims_head):
     """The iteration's one write to the ring, after every read of it: arrivals at the back (from where
-    the back was before them) and preemption victims at the front, in admission order.
+    the back was before them) and the requeued preemption victims at the front, in admission order.
 
     One scatter, not two: the victims depend on the iteration's read of the queue front, so XLA orders
     the write after that read and updates the ring in place. (A separate arrivals scatter has no such
@@ -756,24 +856,30 @@ def _write_queue(trace, queue, arrived: Arrived, victims, preempted, victims_hea
     """
     n = trace.prompt.shape[0]
     r = jnp.arange(ARRIVALS_PER_ITERATION, dtype=i32)
-    pos = jnp.arange(num_slots, dtype=i32)
-    where = jnp.concatenate([(arrived.tail + r) % n, (victims_head + pos - end) % n])
+    where = jnp.concatenate([(arrived.tail + r) % n, (victims_head + _exclusive_cumsum(requeued.astype(i32))) % n])
     what = jnp.concatenate([arrived.ids, victims])
-    write = jnp.concatenate([r < arrived.count, preempted])
+    write = jnp.concatenate([r < arrived.count, requeued])
     return _set_where(queue, where, what, write)
 
 
-def _waiting_pass(trace, params, state, front: Slots, valid, slots, budget_left, free, allowed, num_slots):
+def _waiting_pass(trace, params, state, front: Slots, valid, slots, budget_left, free, allowed, num_slots, cap):
     """Continuous batching admits from the queue front while seats, budget and blocks allow.
 
-    Only runs when nothing was preempted, so the front is the one read at the start of the iteration.
+    An admission takes the blocks of the chunk it schedules (its cached prefix included); with
+    reserve_full_prompt it must also find room for its whole prompt, which it does not hold (vLLM's
+    scheduler_reserve_full_isl). The watermark keeps headroom only once something runs. Only runs when
+    nothing was preempted, so the front is the one read at the start of the iteration.
     """
     rows = front
     k = jnp.arange(num_slots, dtype=i32)
     need = rows.prompt + rows.generated
-    tokens, fits_budget = _take_from_budget(jnp.where(valid, need - rows.computed, 0), budget_left, params)
-    blocks = _ceil_div(need, params.block_size)   # the whole prompt, cached prefix included
-    fits_blocks = free - jnp.cumsum(jnp.where(valid, blocks, 0)) >= params.watermark_blocks
+    tokens, fits_budget = _take_from_budget(jnp.where(valid, need - rows.computed, 0), budget_left, params, cap,
+                                            admitting=True)
+    blocks = jnp.where(valid, _ceil_div(rows.computed + tokens, params.block_size), 0)
+    free_before = free - _exclusive_cumsum(blocks)
+    watermark = jnp.where(state.num_running + k > 0, params.watermark_blocks, 0)
+    whole_prompt_fits = ~params.reserve_full_prompt | (_ceil_div(need, params.block_size) + watermark <= free_before)
+    fits_blocks = whole_prompt_fits & (blocks + watermark <= free_before)
     seats = (state.num_running + k < params.max_num_seqs) & (state.num_running + k < num_slots)
     admit = _prefix_and(valid & seats & fits_budget & fits_blocks) & allowed
     count = jnp.sum(admit, dtype=i32)
@@ -877,10 +983,14 @@ def _advance(trace, params, state, slots, tokens, cost_fn, num_slots):
         jnp.stack([jnp.ones_like(computed0), computed0, slots.blocks], axis=1), mode="drop")
     taking_part = _suffix_sums(by_left)
     decodes, contexts, held = taking_part[:, 0], taking_part[:, 1], taking_part[:, 2]
+    # Async: at the boundary before step j the requests step j - 1 completed are still seated and hold blocks.
+    seated, held = (jnp.where(params.pipelined, jnp.concatenate([x[:1], x[:-1]]), x) for x in (decodes, held))
 
-    # The prefilling request takes min(threshold, budget the decodes leave) per step until its need is met.
+    # The prefilling request takes min(threshold, budget the decodes leave) per step until its need is met;
+    # the threshold binds only while another request is in the system (_long_prefill_cap).
     need = slots.prompt[last] + generated0[last] - computed0[last]
-    cap = jnp.where(params.long_prefill_token_threshold > 0, params.long_prefill_token_threshold, NO_LIMIT)
+    lone = (seated == 0) & (state.queue_len == 0)
+    cap = jnp.where((params.long_prefill_token_threshold > 0) & ~lone, params.long_prefill_token_threshold, NO_LIMIT)
     offered = jnp.where(zero | ~prefill_repeats, 0, jnp.minimum(cap, budget - decodes))
     chunked_before = _exclusive_cumsum(offered)
     chunk = jnp.clip(need - chunked_before, 0, offered)
@@ -892,7 +1002,10 @@ def _advance(trace, params, state, slots, tokens, cost_fn, num_slots):
     chunk_is_decode = in_prefill & (chunk == 1) & (generated0[last] >= 1)
     chunk_is_prefill = in_prefill & ~chunk_is_decode
     members = decodes + in_prefill                         # requests in step j (j >= 1)
-    held = held + jnp.where(prefill_repeats, slots.blocks[last], 0)
+    # It holds the blocks of what it has computed, growing chunk by chunk.
+    prefill_blocks = jnp.where(prefill_repeats & ~zero, jnp.maximum(
+        slots.blocks[last], _ceil_div(computed0[last] + chunked_before + chunk, params.block_size)), slots.blocks[last])
+    held = held + jnp.where(prefill_repeats, prefill_blocks, 0)
 
     first = _batch_summary(slots, tokens)
     batch = StepBatch(
@@ -921,14 +1034,17 @@ def _advance(trace, params, state, slots, tokens, cost_fn, num_slots):
     arrived = starts >= to_arrival
     seat = ~_seats_closed(params, members)
     open_seat = seat & (decodes + jnp.where(in_prefill, chunk, 0) < budget)   # and budget left to admit with
-    admits = open_seat & ((state.queue_len > 0) | arrived)
+    # An arrival that finds a lone prefill makes the threshold bind from the next step; one that meets a
+    # queue limit is judged by the unfinished requests of its own boundary, which completions change.
+    limited = params.max_num_queued_reqs < NO_LIMIT
+    admits = (open_seat & ((state.queue_len > 0) | arrived)) | (arrived & ((lone & prefill_repeats) | limited))
     if trace.think is not None:
         admits = admits | arrived | (members < num_running)
     elif slots.rank is not None:
         # (The counters' rule reads seats, not budget: _lift_rejoining_tenants.)
         admits = admits | (seat & (arrived | (members < num_running)))
-    # Step j >= 1 needs blocks for computed0 + j tokens per decoder taking part (a prefilling request has
-    # its whole prompt's). One with `spare` free token positions in its blocks gains new ones at steps
+    # Step j >= 1 needs blocks for computed0 + j tokens per decoder taking part (and the prefilling request's
+    # so far). One with `spare` free token positions in its blocks gains new ones at steps
     # spare + 1, spare + 1 + block_size, ...: so the gains at step t are the first gains at t,
     # t - block_size, ..., counted over look-ahead-sized arrays whatever the slot count. Counting every
     # decoder's gains bounds the need of those taking part (some finish first); stopping where the bound
@@ -938,7 +1054,7 @@ def _advance(trace, params, state, slots, tokens, cost_fn, num_slots):
     first_gain = jnp.zeros(LOOKAHEAD_STEPS, i32).at[jnp.where(decoder, spare + 1, LOOKAHEAD_STEPS)].add(1, mode="drop")
     need_bound = held + jnp.cumsum(_strided_sums(first_gain, params.block_size))
     repeatable = zero | (continues & (members > 0) & ~admits & ~past_prefill & (starts < to_horizon)
-                         & (need_bound <= params.num_kv_blocks))
+                         & (need_bound <= params.usable_kv_blocks))
     run = _prefix_and(repeatable)
     k = jnp.sum(run, dtype=i32)
     extra = k - 1
@@ -977,7 +1093,7 @@ def _advance(trace, params, state, slots, tokens, cost_fn, num_slots):
     computed = computed0 + grow + prefill_tokens
     generated = generated0 + grow + (is_prefill & prefill_emits)
     blocks0 = slots.blocks
-    blocks = jnp.where(grow > 0, jnp.maximum(blocks0, _ceil_div(computed, params.block_size)), blocks0)
+    blocks = jnp.where((grow > 0) | is_prefill, jnp.maximum(blocks0, _ceil_div(computed, params.block_size)), blocks0)
     finished = running & (generated >= slots.output)
     gap = jnp.where(is_prefill, jnp.where(prefill_emits, 0.0, sample0), jnp.where(grow > 0, 0.0, gap0))
     slots = replace(slots,
@@ -1004,9 +1120,11 @@ def _advance(trace, params, state, slots, tokens, cost_fn, num_slots):
                                           jnp.where(chunk_is_decode, DECODE_TOKEN_WEIGHT, PREFILL_TOKEN_WEIGHT * chunk), 0))
         service = (jnp.where(is_decode0, DECODE_TOKEN_WEIGHT, PREFILL_TOKEN_WEIGHT * tokens)
                    + DECODE_TOKEN_WEIGHT * grow + jnp.where(is_prefill, chunk_service, 0))
+        # A request the last step completes is still in the system for the next (async) decision.
+        in_system_still = params.pipelined & (through == extra)
         state = replace(state,
             tenant_tokens=state.tenant_tokens.at[slots.tenant].add(jnp.where(running, service, 0)),
-            tenant_in_system=state.tenant_in_system.at[slots.tenant].add(-finished.astype(i32)),
+            tenant_in_system=state.tenant_in_system.at[slots.tenant].add(-(finished & ~in_system_still).astype(i32)),
         )
 
     # Integrals over each step use the state after its allocation and before completions free anything.
@@ -1021,28 +1139,28 @@ def _advance(trace, params, state, slots, tokens, cost_fn, num_slots):
     gained_at = (strided[last_gain]
                  - jnp.where(before_first >= 0, strided[jnp.clip(before_first, 0, LOOKAHEAD_STEPS - 1)], 0.0))
     block_seconds = blocks.astype(f32) * ends[through] - jnp.where(new_blocks > 0, gained_at, 0.0)
+    prefill_block_seconds = jnp.sum(jnp.where(run, prefill_blocks.astype(f32) * durations, 0.0))
+    block_seconds = jnp.where(is_prefill, prefill_block_seconds, block_seconds)
     kv_seconds = jnp.sum(jnp.where(running, block_seconds, 0.0))
     in_step = jnp.where(zero, num_running, members)
     in_system = (state.queue_len.astype(f32) * total
                  + jnp.sum(jnp.where(run, in_step.astype(f32) * durations, 0.0)))
     freed = jnp.sum(jnp.where(finished, blocks, 0))
-    free = params.num_kv_blocks - jnp.sum(jnp.where(running, blocks, 0)) + freed
+    free = params.usable_kv_blocks - jnp.sum(jnp.where(running, blocks, 0)) + freed
 
-    # Compact: drop finished requests, keep admission order.
-    # One scatter finds each kept slot's new place; every field then moves by the same gather, which XLA
-    # fuses, where a scatter per field is a kernel per field.
-    keep = running & ~finished
-    target = jnp.where(keep, _exclusive_cumsum(keep.astype(i32)), num_slots)
-    source = jnp.full(num_slots, num_slots, i32).at[target].set(pos, mode="drop")
-    kept = source < num_slots
+    # Compact: drop finished requests, keep admission order. Async: those the last step completed stay seated
+    # for the next boundary's decision, which was taken as that step started.
+    leaving = finished & params.pipelined & (through == extra)
+    keep = running & (~finished | leaving)
     if trace.think is not None:
         state = _release_next_calls(trace, state, slots.req, finished, finished, (finish_hi, finish_lo))
-    slots = jax.tree_util.tree_map(
-        lambda x: jnp.where(kept, x[jnp.minimum(source, num_slots - 1)], jnp.zeros((), x.dtype)), slots)
+    slots, _ = _kept_slots(replace(slots, leaving=leaving), keep, num_slots)
+    cutoff_hi, cutoff_lo = _df_add(end_hi, end_lo, -durations[extra])
     return replace(state,
         clock_hi=end_hi, clock_lo=end_lo,
         slots=slots, num_running=jnp.sum(keep, dtype=i32),
-        free_blocks=free, requests=req,
+        free_blocks=free - jnp.sum(jnp.where(leaving, blocks, 0)), requests=req,
+        pipelined_now=params.pipelined, cutoff_hi=cutoff_hi, cutoff_lo=cutoff_lo,
         steps=state.steps + k,
         scheduled_seqs=state.scheduled_seqs + jnp.sum(scheduled, dtype=i32) + jnp.sum(jnp.where(later_steps, members, 0)),
         kv_block_seconds=state.kv_block_seconds + kv_seconds,
@@ -1111,28 +1229,43 @@ def _iteration(trace, params, state, cost_fn, num_slots, scored: bool):
         front, front_valid = _queue_front(trace, params, state, arrived, num_slots)
     timeout = _static_timeout(trace, params, state, front)
     engine, batched = _form_static_batch(trace, params, state, front, front_valid, timeout, num_slots)
-    slots, tokens, preempted, end, free = _running_pass(params, engine, num_slots)
+    cap = _long_prefill_cap(params, state.num_running + state.queue_len)   # a batch formed moves none out
+    if scored:
+        slots, tokens, preempted, free = _running_pass_by_score(params, engine, num_slots, cap)
+    else:
+        slots, tokens, preempted, end, free = _running_pass(params, engine, num_slots, cap)
     preempted = preempted & active
     tokens = jnp.where(active, tokens, 0)
     engine = _requeue_preempted(trace, params, engine, slots, preempted, num_slots)
+    if scored:
+        # The requests that left as the decision was being taken leave the tenants' counts now.
+        left = slots.leaving & (jnp.arange(num_slots) < engine.num_running)
+        engine = replace(engine, tenant_in_system=engine.tenant_in_system.at[slots.tenant].add(-left.astype(i32)))
+        # Victims may be anywhere in the running set: close the gaps, keeping admission order.
+        slots, tokens, end = _kept(slots, tokens, (jnp.arange(num_slots) < engine.num_running) & ~preempted)
     engine = replace(engine, num_running=end)
     budget_left = params.max_num_batched_tokens - jnp.sum(tokens)
     allowed = active & ~params.static_batching & ~jnp.any(preempted)
     engine, slots, admitted_tokens, admitted, free = _waiting_pass(
-        trace, params, engine, front, front_valid, slots, budget_left, free, allowed, num_slots)
+        trace, params, engine, front, front_valid, slots, budget_left, free, allowed, num_slots, cap)
     tokens = tokens + admitted_tokens
     if scored:
         engine = _remove_from_pool(engine, front_at, jnp.where(active, batched + admitted, 0))
-        slots, tokens = _sort_slots(slots, tokens, end + admitted)
     else:
-        engine = replace(engine, queue=_write_queue(trace, state.queue, arrived, slots.req, preempted,
-                                                    engine.queue_head - admitted, end, num_slots))
-    engine = replace(engine, slots=slots, num_running=end + admitted, free_blocks=free)
+        engine = replace(engine, queue=_write_queue(trace, state.queue, arrived, slots.req,
+                                                    preempted & ~slots.leaving, engine.queue_head - admitted))
+    # The decision taken, the requests that left as it was being taken give up their seats and blocks.
+    leaving = slots.leaving & (jnp.arange(num_slots) < end + admitted)
+    free = free + jnp.sum(jnp.where(leaving, slots.blocks, 0))
+    slots, tokens, seated = _kept(slots, tokens, (jnp.arange(num_slots) < end + admitted) & ~leaving)
+    engine = replace(engine, slots=slots, num_running=seated, free_blocks=free)
 
     busy = jnp.any(tokens > 0)
     stepped = _advance(trace, params, engine, slots, tokens, cost_fn, num_slots)
+    # A decision taken a step early that schedules nothing is taken again now, on what this boundary sees.
+    retaken = replace(engine, pipelined_now=jnp.asarray(False))
     idled = _idle(trace, params, state, timeout)
-    new = _choose(active, _choose(busy, stepped, idled), state)
+    new = _choose(active, _choose(busy, stepped, _choose(state.pipelined_now, retaken, idled)), state)
     # The slot count is a capacity bound, not a knob: if it ever binds, the caller reruns with more.
     table_full = (end + admitted >= num_slots) & (num_slots < params.max_num_seqs) & ~params.static_batching
     slots_filled = state.slots_filled | (active & table_full)

@@ -208,6 +208,13 @@ def _waiting(state: engine.EngineState):
     return (state.requests.status == engine.IN_SYSTEM) & ~running
 
 
+def _running(state: engine.EngineState):
+    """Requests running now: the slot table's, less those an async step completed (they only keep their seats
+    until the next decision)."""
+    seated = jnp.arange(state.slots.req.shape[0]) < state.num_running
+    return jnp.sum(seated & ~state.slots.leaving, dtype=jnp.int32)
+
+
 def _observe(params: EnvParams, variant, trace, before, after, action, start_s, end_s):
     bank = params.bank
     waiting = _waiting(after)
@@ -215,7 +222,7 @@ def _observe(params: EnvParams, variant, trace, before, after, action, start_s, 
     tokens = trace.prompt + after.requests.generated - cached
     queued_tokens = jnp.sum(jnp.where(waiting, tokens, 0))
     backlog = jnp.zeros(params.num_tenants, f32).at[trace.tenant].add(waiting.astype(f32))
-    kv = 1.0 - after.free_blocks.astype(f32) / params.engine.num_kv_blocks.astype(f32)
+    kv = (params.engine.usable_kv_blocks - after.free_blocks).astype(f32) / params.engine.usable_kv_blocks.astype(f32)
     length = jnp.maximum(end_s - start_s, 1e-9)
     rate = (after.next_arrival - before.next_arrival).astype(f32) / length
 
@@ -228,7 +235,7 @@ def _observe(params: EnvParams, variant, trace, before, after, action, start_s, 
     day = jnp.mod(bank.day_offset_s[variant] + end_s, SECONDS_PER_DAY) / SECONDS_PER_DAY
     elapsed = end_s / (params.episode_hi + params.episode_lo)   # 0 without a time limit
     fields = jnp.stack([
-        after.queue_len.astype(f32), queued_tokens.astype(f32), after.num_running.astype(f32), kv, rate,
+        after.queue_len.astype(f32), queued_tokens.astype(f32), _running(after).astype(f32), kv, rate,
         ttft_p50, ttft_p99, itl_p50, itl_p99, day, elapsed,
     ])
     return jnp.concatenate([fields, backlog, action]).astype(f32)

@@ -59,9 +59,10 @@ def good_requests(workload: Workload, outcome: SimulationOutcome, slos: RequestS
     req = outcome.requests
     ttft = req.first_token_s - req.arrival_s
     e2el = req.finish_s - req.arrival_s
-    many = workload.output_tokens >= 2
+    # A completed request emitted its output tokens, as vLLM's API server cut them to fit max_model_len.
+    many = req.generated_tokens >= 2
     with np.errstate(invalid="ignore", divide="ignore"):
-        tpot = (e2el - ttft) / (workload.output_tokens - 1)
+        tpot = (e2el - ttft) / (req.generated_tokens - 1)
     # An absent SLO is +inf, which every completed request's (finite) latency meets.
     return ((req.status == COMPLETED)
             & (ttft * 1e3 <= slos.ttft_ms)
@@ -88,7 +89,7 @@ def compute_metrics(workload: Workload, outcome: SimulationOutcome, slos: Reques
 
     ttft = (req.first_token_s - req.arrival_s)[completed]
     e2el = (req.finish_s - req.arrival_s)[completed]
-    out = workload.output_tokens[completed]
+    out = req.generated_tokens[completed]
     many = out >= 2
     tpot = (e2el[many] - ttft[many]) / (out[many] - 1)
     good = good_requests(workload, outcome, slos)
@@ -142,7 +143,7 @@ def compute_metrics(workload: Workload, outcome: SimulationOutcome, slos: Reques
 def _itl_summary(workload: Workload, outcome: SimulationOutcome, completed: np.ndarray) -> dict:
     """Pooled ITL: exact mean and std from per-request sums; percentiles from the gap histogram."""
     req = outcome.requests
-    gaps = (workload.output_tokens[completed] - 1).sum()
+    gaps = (req.generated_tokens[completed] - 1).sum()
     if gaps == 0:
         return {s: None for s in STATISTICS}
     span = (req.finish_s - req.first_token_s)[completed].sum()
@@ -226,11 +227,11 @@ def _request_latencies_ms(workload: Workload, outcome: SimulationOutcome) -> dic
     """Each request's TTFT, TPOT, E2EL and largest inter-token gap in ms; NaN where it has none."""
     req = outcome.requests
     completed = req.status == COMPLETED
-    many = completed & (workload.output_tokens >= 2)
+    many = completed & (req.generated_tokens >= 2)
     ttft = np.where(completed, req.first_token_s - req.arrival_s, np.nan)
     e2el = np.where(completed, req.finish_s - req.arrival_s, np.nan)
     with np.errstate(invalid="ignore", divide="ignore"):
-        tpot = np.where(many, (e2el - ttft) / (workload.output_tokens - 1), np.nan)
+        tpot = np.where(many, (e2el - ttft) / (req.generated_tokens - 1), np.nan)
     max_itl = np.where(many, req.max_itl_s, np.nan)
     return {"ttft": ttft * 1e3, "tpot": tpot * 1e3, "e2el": e2el * 1e3, "max_itl": max_itl * 1e3}
 

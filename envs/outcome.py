@@ -13,12 +13,13 @@ import numpy as np
 COMPLETED, REJECTED, UNFINISHED, NOT_ARRIVED = 0, 1, 2, 3
 STATUS_NAMES = {COMPLETED: "completed", REJECTED: "rejected", UNFINISHED: "unfinished", NOT_ARRIVED: "not_arrived"}
 
-# Why a request was rejected at arrival.
-REJECT_NONE, REJECT_KV_CAPACITY, REJECT_TOKEN_BUDGET, REJECT_QUEUE_FULL, REJECT_TENANT_RATE = 0, 1, 2, 3, 4
+# Why a request was rejected at arrival: by vLLM's API server, which refuses a request longer than
+# max_model_len (HTTP 400) and, with max_num_queued_reqs, one that finds that many unfinished (HTTP 503);
+# or by a tenant's rate limit at the gateway in front of it (envs/admission.py).
+REJECT_NONE, REJECT_MAX_MODEL_LEN, REJECT_QUEUE_FULL, REJECT_TENANT_RATE = 0, 1, 2, 3
 REJECT_NAMES = {
     REJECT_NONE: "",
-    REJECT_KV_CAPACITY: "kv_capacity",
-    REJECT_TOKEN_BUDGET: "token_budget",
+    REJECT_MAX_MODEL_LEN: "max_model_len",
     REJECT_QUEUE_FULL: "queue_full",
     REJECT_TENANT_RATE: "tenant_rate_limit",
 }

@@ -1,17 +1,20 @@
-"""The reference simulator: README.md's engine semantics, executed one request and one step at a time.
+"""The reference simulator: the engine semantics (docs/engine-semantics.md), one request and one step at a time.
 
-This is the project's executable specification. It is written to be read next to the "Engine semantics"
-section of README.md, not to be fast: plain Python objects, Python floats (float64) for time, one loop
-iteration per engine step. Each step follows the order of vLLM V1's ``Scheduler.schedule()``: a token
-budget, the running requests first (preempting inline when a block allocation fails), then the waiting
-requests. The JAX engine implements the same rules independently; the differential tests compare the two.
+This is the project's executable specification. It is written to be read next to that page and vLLM 0.33's
+``Scheduler.schedule()`` (vllm/v1/core/sched/scheduler.py), not to be fast: plain Python objects, Python
+floats (float64) for time, one loop iteration per scheduling decision.
+Each decision follows vLLM's order: a token budget, the running requests first (preempting inline when a
+block allocation fails), then the waiting requests. With async scheduling the loop is vLLM's
+``EngineCore.step_with_batch_queue``: a queue of two batches, so step k + 1 is scheduled while step k runs.
+The JAX engine implements the same rules independently; the differential tests compare the two, and
+tests/test_vllm_parity.py replays vLLM's own recorded schedules through this one.
 """
 from __future__ import annotations
 
 import heapq
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import numpy as np
@@ -21,11 +24,10 @@ from servetune.envs.outcome import (
     COMPLETED,
     ITL_HIST_BINS,
     NOT_ARRIVED,
-    REJECT_KV_CAPACITY,
+    REJECT_MAX_MODEL_LEN,
     REJECT_NONE,
     REJECT_QUEUE_FULL,
     REJECT_TENANT_RATE,
-    REJECT_TOKEN_BUDGET,
     REJECTED,
     UNFINISHED,
     EngineTotals,
@@ -59,9 +61,9 @@ def simulate_reference(
     ``ttft_slo_ms`` gives each request's TTFT SLO (+inf for none), which the edf order turns into deadlines;
     ``rate_limited`` marks the requests their tenant's rate limit refuses (envs/admission.py).
     """
-    outcome, _ = simulate_reference_detailed(workload, scheduler, cost_fn, cost_params, horizon_s, ttft_slo_ms,
-                                             rate_limited)
-    return outcome
+    engine = _Engine(workload, scheduler, cost_fn, cost_params, horizon_s, ttft_slo_ms, rate_limited)
+    engine.run()
+    return engine.outcome()
 
 
 def simulate_reference_detailed(
@@ -72,14 +74,27 @@ def simulate_reference_detailed(
     horizon_s: Optional[float] = None,
     ttft_slo_ms: Optional[np.ndarray] = None,
     rate_limited: Optional[np.ndarray] = None,
-) -> tuple[SimulationOutcome, np.ndarray]:
-    """Like ``simulate_reference``, plus every inter-token gap in emission order (float64 seconds).
+) -> tuple[SimulationOutcome, np.ndarray, list["StepRecord"]]:
+    """Like ``simulate_reference``, plus every inter-token gap in emission order (float64 seconds) and the
+    schedule itself, one ``StepRecord`` per step that scheduled or preempted anything.
 
-    The outcome only keeps the gaps as a histogram; tests use the exact list to check pooled ITL metrics.
+    The outcome only keeps the gaps as a histogram; tests use the exact list to check pooled ITL metrics,
+    and the schedule to compare with vLLM's recorded one step for step.
     """
     engine = _Engine(workload, scheduler, cost_fn, cost_params, horizon_s, ttft_slo_ms, rate_limited)
     engine.run()
-    return engine.outcome(), np.asarray(engine.gaps, dtype=np.float64)
+    return engine.outcome(), np.asarray(engine.gaps, dtype=np.float64), engine.step_log
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One scheduling decision: when its step ran, the tokens each request got (in vLLM's order: running
+    requests, then admissions), and the requests it preempted."""
+
+    start_s: float
+    end_s: float
+    tokens: tuple[tuple[int, int], ...]   # (request id, tokens scheduled)
+    preempted: tuple[int, ...]
 
 
 @dataclass(eq=False)  # identity semantics: a request is in a queue, not equal to one
@@ -108,11 +123,21 @@ class _Request:
     preemptions: int = 0
     max_itl_s: float = math.nan
     itl_sum_sq_s2: float = 0.0
+    placeholders: int = 0          # async: output tokens of steps in flight, counted before they are delivered
+    stale: int = 0                 # steps in flight when it was preempted, whose output still arrives ...
+    stale_tokens: int = 0          # ... and the tokens they emit
 
     @property
     def length(self) -> int:
-        """P + g: the tokens the request must have computed before it can emit its next token."""
-        return self.prompt + self.generated
+        """P + g + the tokens in flight: what its KV covers once its next token is computed (vLLM's
+        num_tokens_with_spec + num_output_placeholders)."""
+        return self.prompt + self.generated + self.placeholders
+
+    @property
+    def last_token_in_flight(self) -> bool:
+        """Async: a step in flight emits its last token, so it is scheduled no further (vLLM's
+        ``num_computed_tokens + 2 - num_output_placeholders >= num_prompt_tokens + max_tokens``)."""
+        return self.placeholders > 0 and self.generated + self.placeholders >= self.output
 
 
 @dataclass(frozen=True)
@@ -122,11 +147,23 @@ class _Scheduled:
     request: _Request
     tokens: int                    # n
     computed_before: int           # c before the step
-    generated_before: int          # g before the step
+    generated_before: int          # g before the step, counting tokens still in flight
 
     @property
     def is_decode(self) -> bool:
         return self.tokens == 1 and self.generated_before >= 1
+
+
+@dataclass
+class _Batch:
+    """A launched step: its requests' shares, when it runs, and what it was scheduled with."""
+
+    items: list[_Scheduled]
+    start_s: float
+    end_s: float
+    samples: list[bool] = field(default_factory=list)        # per item: it emits a token at the step's end
+    preemptions: list[int] = field(default_factory=list)     # per item: its preemption count at launch
+    weights: tuple[int, int] = (0, 0)    # KV blocks held and requests in the system, as it was scheduled
 
 
 def _blocks_for(tokens: int, block_size: int) -> int:
@@ -203,11 +240,17 @@ class _Engine:
         self.front: list[_Request] = []   # scored: the waiting requests in score order at this boundary
         self.rate_limited = (np.zeros(workload.num_requests, bool) if rate_limited is None
                              else np.asarray(rate_limited, bool))
-        self.watermark_blocks = math.floor(config.watermark * config.num_kv_blocks)  # W
-        self.free_blocks = config.num_kv_blocks
+        self.watermark_blocks = int(config.watermark * config.num_kv_blocks)  # W (vLLM's int(), kv_cache_manager.py)
+        self.free_blocks = config.usable_kv_blocks
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []  # admission order
         self.next_arrival = 0              # index of the first request not yet processed
+        # vLLM's batch queue (vllm/config/vllm.py: two deep with async scheduling): launched steps not yet
+        # completed, the oldest on the right.
+        self.batch_queue_size = 2 if config.pipelined else 1
+        self.in_flight: deque[_Batch] = deque()
+        self.gpu_free_s = -math.inf        # when the last launched step ends
+        self.last_completed: Optional[_Batch] = None
         # The engine is idle before anything arrives, so start at the first arrival; like any idle jump,
         # that start stops at the horizon.
         first_arrival = self.requests[0].arrival_s if self.requests else 0.0
@@ -217,28 +260,44 @@ class _Engine:
         self.kv_block_seconds = 0.0
         self.in_system_seconds = 0.0
         self.gaps: list[float] = []
+        self.step_log: list[StepRecord] = []
         # Every step schedules at least one token and every idle jump reaches an arrival or a static
         # timeout, so far fewer iterations than this suffice; hitting it means a rule loops.
         total_tokens = sum(r.prompt + r.output for r in self.requests)
         self.max_iterations = 100 * (total_tokens + len(self.requests)) + 1000
 
-    # -- the main loop -------------------------------------------------------------------------------
+    # -- the main loop: vLLM's EngineCore.step_with_batch_queue (vllm/v1/engine/core.py) ----------------
 
     def run(self) -> None:
         for _ in range(self.max_iterations):
-            self.process_arrivals()
             if self.clock >= self.horizon_s:
+                # The run stops before the next decision: arrivals are processed as it would process them,
+                # with async scheduling those up to the start of the step that just ended, when it was due.
+                last = self.last_completed
+                pipelined = self.batch_queue_size > 1 and last is not None and last.end_s == self.clock
+                self.process_arrivals(last.start_s if pipelined else self.clock)
                 return
-            if self.scored:
-                self.rank_waiting()
-            if self.config.policy == "static":
-                self.form_static_batch()
-            scheduled = self.schedule()
-            if scheduled:
-                self.execute(scheduled)
+            self.process_arrivals(self.clock)
+            # No step starts at or after the horizon, so none is scheduled to.
+            decides = (self.waiting or self.running) and self.next_step_start() < self.horizon_s
+            scheduled, preempted = self.decide() if decides else ([], [])
+            self.launch(scheduled, preempted)
+            # Fill the batch queue before waiting on it: the next step is scheduled while this one runs. A
+            # decision that schedules nothing waits for the step in flight and is taken again after it.
+            if scheduled and len(self.in_flight) < self.batch_queue_size:
+                continue
+            if self.in_flight:
+                self.complete(self.in_flight.pop())
             elif not self.idle():
                 return
         raise RuntimeError(f"reference simulator exceeded {self.max_iterations} iterations")
+
+    def decide(self) -> tuple[list[_Scheduled], list[_Request]]:
+        if self.scored:
+            self.rank_waiting()
+        if self.config.policy == "static":
+            self.form_static_batch()
+        return self.schedule()
 
     # -- 1. arrivals ---------------------------------------------------------------------------------
 
@@ -248,9 +307,12 @@ class _Engine:
             return self.requests[self.pending[0][1]] if self.pending else None
         return self.requests[self.next_arrival] if self.next_arrival < len(self.requests) else None
 
-    def process_arrivals(self) -> None:
+    def process_arrivals(self, until: float) -> None:
+        # A request arriving now is first counted in the step that starts next (the one in flight, if any,
+        # was scheduled without it): it has been in the system since it arrived.
+        counted_from = self.next_step_start()
         while (request := self.next_unprocessed()) is not None:
-            if request.arrival_s > self.clock or request.arrival_s >= self.horizon_s:
+            if request.arrival_s > until or request.arrival_s >= self.horizon_s:
                 return
             if self.closed_loop:
                 heapq.heappop(self.pending)
@@ -262,10 +324,15 @@ class _Engine:
                 self.release_next_call(request, self.clock)   # the agent gets its error at this boundary
                 continue
             request.status = UNFINISHED
+            # vLLM's API server cuts max_tokens to what max_model_len leaves after the prompt.
+            request.output = min(request.output, self.config.model_len_limit - request.prompt)
             self.waiting.append(request)
             self.tenant_in_system[request.tenant] += 1
-            # It has been in the system since it arrived, possibly during the step that just ended.
-            self.in_system_seconds += self.clock - request.arrival_s
+            self.in_system_seconds += counted_from - request.arrival_s
+
+    def next_step_start(self) -> float:
+        """When a step scheduled now would start: after the one in flight, if any."""
+        return max(self.clock, self.gpu_free_s) if self.in_flight else self.clock
 
     def release_next_call(self, request: _Request, ended_at: float) -> None:
         """Closed-loop: the session's next call arrives its think time after this call ended."""
@@ -275,16 +342,16 @@ class _Engine:
             heapq.heappush(self.pending, (follower.arrival_s, follower.index))
 
     def rejection_reason(self, request: _Request) -> int:
+        """vLLM's API server refuses a prompt that leaves max_model_len no room for an output token
+        (vllm/v1/engine/input_processor.py), then a request that finds max_num_queued_reqs unfinished
+        (vllm/v1/engine/async_llm.py, HTTP 503)."""
         config = self.config
         if self.rate_limited[request.index]:
             return REJECT_TENANT_RATE   # the gateway refuses it before the engine sees it
-        peak_tokens = request.prompt + request.output - 1  # the last output token is never fed back
-        if _blocks_for(peak_tokens, config.block_size) > config.num_kv_blocks - self.watermark_blocks:
-            return REJECT_KV_CAPACITY
-        # Without chunking, a preempted request must be recomputed in one step.
-        if not config.enable_chunked_prefill and peak_tokens > config.max_num_batched_tokens:
-            return REJECT_TOKEN_BUDGET
-        if config.max_num_queued_reqs is not None and len(self.waiting) >= config.max_num_queued_reqs:
+        if request.prompt >= config.model_len_limit:
+            return REJECT_MAX_MODEL_LEN
+        unfinished = len(self.waiting) + len(self.running)
+        if config.max_num_queued_reqs is not None and unfinished >= config.max_num_queued_reqs:
             return REJECT_QUEUE_FULL
         return REJECT_NONE
 
@@ -350,7 +417,8 @@ class _Engine:
             if len(self.running) >= self.config.batch_size:
                 return
             needed = _blocks_for(request.length, self.config.block_size)
-            if self.free_blocks - needed < self.watermark_blocks:
+            watermark = self.watermark_blocks if self.running else 0   # as admissions: headroom for those in
+            if self.free_blocks - needed < watermark:
                 return
             self.take_blocks(request, needed)
             self.admit(request)
@@ -363,60 +431,84 @@ class _Engine:
         """
         return self.queue_front()[0].arrival_s + self.config.max_wait_s
 
-    # -- 3 and 4. scheduling: running pass, then waiting pass ----------------------------------------
+    # -- 3 and 4. scheduling: running pass, then waiting pass (vLLM's Scheduler.schedule()) -----------
 
-    def schedule(self) -> list[_Scheduled]:
+    def schedule(self) -> tuple[list[_Scheduled], list[_Request]]:
+        config = self.config
         scheduled: list[_Scheduled] = []
-        budget, preempted = self.running_pass(scheduled, self.config.max_num_batched_tokens)
-        # Like vLLM, a step that had to preempt admits nobody. (The last victim, now at the front of the
-        # queue, needs more blocks than are free, so head-of-line blocking would stop the pass anyway.)
-        if self.config.policy == "continuous" and not preempted:
+        preempted: list[_Request] = []
+        # The long-prefill cap stops a long prompt starving others; with one request there is nobody to starve.
+        self.threshold = config.long_prefill_token_threshold if len(self.running) + len(self.waiting) > 1 else 0
+        budget = self.running_pass(scheduled, preempted, config.max_num_batched_tokens)
+        # Like vLLM, a step that had to preempt admits nobody.
+        if config.policy == "continuous" and not preempted:
             self.waiting_pass(scheduled, budget)
-        if self.scored:
-            self.running.sort(key=lambda r: (r.rank, r.index))   # the last is the worst: the next victim
-        return scheduled
+        return scheduled, preempted
 
-    def chunk(self, tokens_needed: int, budget: int) -> Optional[int]:
-        """Tokens to schedule for a request needing ``tokens_needed``, or None if it must wait."""
-        if not self.config.enable_chunked_prefill:
-            return tokens_needed if tokens_needed <= budget else None
-        threshold = self.config.long_prefill_token_threshold
-        if threshold > 0:
-            tokens_needed = min(tokens_needed, threshold)
+    def chunk(self, tokens_needed: int, budget: int, admitting: bool) -> Optional[int]:
+        """Tokens to schedule for a request needing ``tokens_needed``, or None if it must wait. The long-prefill
+        cap applies with chunked prefill off too; then only an admission must fit its (capped) need whole."""
+        if self.threshold > 0:
+            tokens_needed = min(tokens_needed, self.threshold)
+        if admitting and not self.config.enable_chunked_prefill and tokens_needed > budget:
+            return None
         return min(tokens_needed, budget)
 
-    def running_pass(self, scheduled: list[_Scheduled], budget: int) -> tuple[int, bool]:
-        """Schedule running requests in admission order; returns the budget left and whether it preempted."""
-        preempted = False
+    def victim(self) -> _Request:
+        """fcfs: the last admitted; a scored order: the worst score, wherever it runs (vLLM's priority policy,
+        ``max(running, key=(priority, arrival_time))``)."""
+        if self.scored:
+            return max(self.running, key=lambda r: (r.rank, r.index))
+        return self.running[-1]
+
+    def running_pass(self, scheduled: list[_Scheduled], preempted: list[_Request], budget: int) -> int:
+        """Schedule running requests in admission order; returns the budget left."""
         position = 0
         while position < len(self.running) and budget > 0:
             request = self.running[position]
-            tokens = self.chunk(request.length - request.computed, budget)
-            if tokens is None:
-                break
+            if request.last_token_in_flight:
+                position += 1
+                continue
+            tokens = self.chunk(request.length - request.computed, budget, admitting=False)
             needed = _blocks_for(request.computed + tokens, self.config.block_size) - request.blocks
-            while needed > self.free_blocks:
-                victim = self.running[-1]  # the latest admitted loses its KV and is recomputed later
+            while needed > self.free_blocks and request not in preempted:
+                victim = self.victim()
+                if self.running.index(victim) < position:
+                    position -= 1
+                # A victim already scheduled this step gives its tokens back to the budget.
+                for item in [item for item in scheduled if item.request is victim]:
+                    scheduled.remove(item)
+                    budget += item.tokens
                 self.preempt(victim)
-                preempted = True
-                if victim is request:
-                    return budget, preempted
+                preempted.append(victim)
+            if request in preempted:
+                if self.scored:
+                    continue   # the worst preempted itself: the better ones after it may still fit
+                break
             self.take_blocks(request, max(needed, 0))
             scheduled.append(self.scheduled(request, tokens))
             budget -= tokens
             position += 1
-        return budget, preempted
+        return budget
 
     def waiting_pass(self, scheduled: list[_Scheduled], budget: int) -> None:
         config = self.config
         for request in self.queue_front():
             if len(self.running) >= config.max_num_seqs or budget <= 0:
                 return
-            tokens = self.chunk(request.length - request.cached_tokens, budget)  # starts after the cached prefix
+            if request.stale:
+                continue   # its output from before the preemption is still in flight: vLLM skips it for now
+            # Its prefill starts after the cached prefix.
+            tokens = self.chunk(request.length - request.cached_tokens, budget, admitting=True)
             if tokens is None:
                 return  # head-of-line blocking, as in vLLM
-            needed = _blocks_for(request.length, config.block_size)  # the whole prompt is reserved now
-            if self.free_blocks - needed < self.watermark_blocks:
+            # The watermark keeps headroom for the running requests, so it binds only when some run.
+            watermark = self.watermark_blocks if self.running else 0
+            if config.reserve_full_prompt and (
+                    _blocks_for(request.length, config.block_size) + watermark > self.free_blocks):
+                return   # the whole prompt must fit, though only this step's chunk is allocated
+            needed = _blocks_for(request.cached_tokens + tokens, config.block_size)
+            if needed + watermark > self.free_blocks:
                 return
             self.take_blocks(request, needed)
             self.admit(request)
@@ -424,7 +516,7 @@ class _Engine:
             budget -= tokens
 
     def scheduled(self, request: _Request, tokens: int) -> _Scheduled:
-        return _Scheduled(request, tokens, request.computed, request.generated)
+        return _Scheduled(request, tokens, request.computed, request.generated + request.placeholders)
 
     def take_blocks(self, request: _Request, blocks: int) -> None:
         request.blocks += blocks
@@ -435,11 +527,16 @@ class _Engine:
         request.blocks = 0
 
     def preempt(self, victim: _Request) -> None:
-        """Preemption by recompute: the KV is dropped, the emitted tokens are kept."""
+        """Preemption by recompute: the KV is dropped, the emitted tokens are kept. Tokens of steps in flight
+        still arrive (vLLM delivers them as stale output), and may complete it."""
         self.running.remove(victim)
         self.release_blocks(victim)
         victim.computed = 0
+        victim.placeholders = 0
         victim.preemptions += 1
+        shares = [sample for batch in self.in_flight for item, sample in zip(batch.items, batch.samples)
+                  if item.request is victim]
+        victim.stale, victim.stale_tokens = len(shares), sum(shares)
         # Prepending each victim in turn leaves several victims of one step in their admission order.
         # (A scored queue ranks it with the others at the next boundary.)
         self.waiting.appendleft(victim)
@@ -458,32 +555,66 @@ class _Engine:
         if not candidates:
             return False
         target = min(min(candidates), self.horizon_s)
-        self.accumulate(target - self.clock)
+        self.accumulate(target - self.clock, self.held_blocks(), len(self.waiting) + len(self.running))
         self.clock = target
         return True
 
-    # -- 6. executing a step -------------------------------------------------------------------------
+    # -- 6. a step: launched when scheduled, completed when the engine waits for it -------------------
 
-    def execute(self, scheduled: list[_Scheduled]) -> None:
-        duration = float(self.cost_fn(self.cost_params, _step_batch(scheduled)))
-        # Integrals over the step use the state after allocation and before completions free anything.
-        self.accumulate(duration)
-        self.steps += 1
-        self.scheduled_seqs += len(scheduled)
-        end = self.clock + duration
+    def launch(self, scheduled: list[_Scheduled], preempted: list[_Request]) -> None:
+        start = self.next_step_start()
+        duration = float(self.cost_fn(self.cost_params, _step_batch(scheduled))) if scheduled else 0.0
+        batch = _Batch(scheduled, start, start + duration)
+        if scheduled or preempted:
+            self.step_log.append(StepRecord(start, start + duration,
+                                            tuple((i.request.index, i.tokens) for i in scheduled),
+                                            tuple(r.index for r in preempted)))
+        if not scheduled:
+            return   # nothing runs
+        self.gpu_free_s = batch.end_s
+        # Integrals weigh each step by what it was scheduled with, less requests whose last token is already
+        # in flight (they leave when the step before this one ends).
+        leaving = [r for r in self.running if r.last_token_in_flight]
+        leaving += [r for r in self.waiting if r.generated + r.stale_tokens >= r.output]
+        batch.weights = (self.held_blocks() - sum(r.blocks for r in leaving),
+                         len(self.waiting) + len(self.running) - len(leaving))
         for item in scheduled:
             request = item.request
+            request.computed += item.tokens
+            samples = request.computed == request.length   # not a prefill chunk: it emits a token
+            batch.samples.append(samples)
+            batch.preemptions.append(request.preemptions)
+            request.placeholders += samples
             weight = DECODE_TOKEN_WEIGHT if item.is_decode else PREFILL_TOKEN_WEIGHT * item.tokens
             self.tenant_tokens[request.tenant] += weight
-            request.computed += item.tokens
-            if request.computed == request.length:
-                self.emit_token(request, end)
-        self.clock = end
+        self.in_flight.appendleft(batch)
 
-    def accumulate(self, duration: float) -> None:
-        held_blocks = sum(r.blocks for r in self.running)
+    def complete(self, batch: _Batch) -> None:
+        self.last_completed = batch
+        held, in_system = batch.weights
+        self.accumulate(batch.end_s - batch.start_s, held, in_system)
+        self.steps += 1
+        self.scheduled_seqs += len(batch.items)
+        self.clock = max(self.clock, batch.end_s)
+        for item, samples, preemptions in zip(batch.items, batch.samples, batch.preemptions):
+            request = item.request
+            if request.status != UNFINISHED:
+                continue
+            stale = request.preemptions != preemptions
+            if stale:
+                request.stale -= 1
+                request.stale_tokens -= samples
+            elif samples:
+                request.placeholders -= 1
+            if samples:
+                self.emit_token(request, batch.end_s)
+
+    def held_blocks(self) -> int:
+        return sum(r.blocks for r in self.running)
+
+    def accumulate(self, duration: float, held_blocks: int, in_system: int) -> None:
         self.kv_block_seconds += held_blocks * duration
-        self.in_system_seconds += (len(self.waiting) + len(self.running)) * duration
+        self.in_system_seconds += in_system * duration
 
     def emit_token(self, request: _Request, at: float) -> None:
         if request.generated == 0:
@@ -499,7 +630,10 @@ class _Engine:
             request.status = COMPLETED
             request.finish_s = at
             self.release_blocks(request)
-            self.running.remove(request)
+            if request in self.running:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)   # preempted while its last token was in flight
             self.tenant_in_system[request.tenant] -= 1
             self.release_next_call(request, at)
 
@@ -507,6 +641,10 @@ class _Engine:
 
     def outcome(self) -> SimulationOutcome:
         rs = self.requests
+        for r in rs:
+            # An open-loop request that arrived before the horizon but after the last decision is unfinished.
+            if not self.closed_loop and r.status == NOT_ARRIVED and r.arrival_s < self.horizon_s:
+                r.status = UNFINISHED
         requests = RequestOutcomes(
             status=np.array([r.status for r in rs], dtype=np.int64),
             arrival_s=np.array([math.nan if r.status == NOT_ARRIVED else r.arrival_s for r in rs], dtype=np.float64),

@@ -282,7 +282,7 @@ def run_export(args: argparse.Namespace) -> int:
 
 def _export_policy(args: argparse.Namespace):
     """The static config an RL policy holds most often, with a warning that no engine hosts a live policy."""
-    from servetune.pipeline import resolve
+    from servetune.pipeline import fill_derived, resolve
     from servetune.search.export import Policy, export
     from servetune.search.policy_file import load_policy, policy_config_data
     from servetune.search.provenance import config_from_data
@@ -296,6 +296,10 @@ def _export_policy(args: argparse.Namespace):
     config = config_from_data(policy_config_data(policy), policy.metadata.get("config_source") or str(args.policy))
     knobs, share = most_chosen_knobs(config, policy, args.seeds)
     chosen = apply_knobs(config, {f"scheduler.{name}": value for name, value in knobs.items()})
+    if chosen.scheduler.long_prefill_token_threshold >= fill_derived(chosen).scheduler.model_len_limit:
+        # Every prompt is shorter than max_model_len, so such a cap never binds; vLLM refuses one above it.
+        chosen = dataclasses.replace(chosen, scheduler=dataclasses.replace(chosen.scheduler,
+                                                                           long_prefill_token_threshold=0))
     origin = {"policy": str(args.policy), "config_hash": policy.config_hash, "config_source": config.source,
               "held_share": share, "heldout_episodes": args.seeds}
     live = (f"{args.engine} cannot host a live policy: this is the static config the policy holds most often "

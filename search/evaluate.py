@@ -30,16 +30,20 @@ from servetune.pipeline import resolve
 def concurrency_bound(config: Config, workload: Workload) -> int:
     """The most requests a resolved continuous-batching config can ever run at once.
 
-    Every running request holds at least ``⌈shortest prompt / block_size⌉`` blocks (its prompt is reserved at
-    admission and its blocks only grow until it leaves), and admission keeps ``⌊watermark · num_kv_blocks⌋``
-    blocks free; so no more than ``(num_kv_blocks − watermark blocks) // that`` run at once, nor more requests
-    than the workload has. A max_num_seqs above the bound never stops an admission.
+    A running request holds at least one KV block (its first scheduled chunk's) and gains blocks until it
+    leaves. A request admitted beside others must leave the watermark's ``W = int(watermark · num_kv_blocks)``
+    blocks free beyond its first chunk's -- beyond its whole prompt's with ``reserve_full_prompt``, which is at
+    least ``⌈shortest prompt / block_size⌉`` blocks. So with n running, the last admitted found at most
+    ``usable − (n − 1)`` blocks free, and ``n ≤ usable − W − least need + 1``; nor can more requests run than
+    the workload has. A max_num_seqs above the bound never stops an admission.
     """
     scheduler = config.scheduler
-    free_blocks = scheduler.num_kv_blocks - math.floor(scheduler.watermark * scheduler.num_kv_blocks)
-    shortest_prompt = int(workload.prompt_tokens.min()) if workload.num_requests else 1
-    fewest_blocks = max(1, math.ceil(shortest_prompt / scheduler.block_size))
-    return max(1, min(scheduler.max_num_seqs, free_blocks // fewest_blocks, workload.num_requests))
+    watermark_blocks = int(scheduler.watermark * scheduler.num_kv_blocks)
+    least_need = 1
+    if scheduler.reserve_full_prompt and workload.num_requests:
+        least_need = max(1, math.ceil(int(workload.prompt_tokens.min()) / scheduler.block_size))
+    by_blocks = scheduler.usable_kv_blocks - watermark_blocks - least_need + 1
+    return max(1, min(scheduler.max_num_seqs, by_blocks, workload.num_requests))
 
 
 class BatchEvaluator:

@@ -10,7 +10,8 @@ a ``UserError``, since the file would not start the server.
 
 The KV cache: when the config derives ``num_kv_blocks`` from ``gpu_memory_utilization``, the utilization is
 exported; when it gives a block count, the export computes the smallest utilization (to 0.001) at which vLLM's
-sizing rule (``cost_models/memory.py``) yields at least that many blocks, or TGI's total token count directly.
+sizing rule (``cost_models/memory.py``) yields at least that many blocks, and for vLLM also pins the count with
+``num-gpu-blocks-override`` (both count vLLM's null block); TGI gets its total token count directly.
 """
 from __future__ import annotations
 
@@ -24,23 +25,28 @@ import yaml
 from servetune.config import Config, SchedulerConfig
 from servetune.cost_models.factory import derive_num_kv_blocks
 from servetune.errors import UserError
+from servetune.pipeline import model_context_length
 
 ENGINES = ("vllm", "sglang", "trtllm", "tgi", "servetune")
 POLICY_FORMAT_VERSION = 1
 
 # Knobs that only one batching policy reads; every other scheduler field is in effect under both.
 STATIC_ONLY = ("scheduler.batch_size", "scheduler.max_wait_s")
-CONTINUOUS_ONLY = ("scheduler.max_num_seqs", "scheduler.long_prefill_token_threshold")
-# Values at which a knob changes nothing, so an engine without the knob loses nothing.
+CONTINUOUS_ONLY = ("scheduler.max_num_seqs", "scheduler.long_prefill_token_threshold", "scheduler.async_scheduling")
+# Values at which a knob changes nothing, so an engine without the knob loses nothing. The last two are vLLM 0.33's
+# own defaults for how its scheduler steps, which another engine replaces with its own.
 NEUTRAL = {"scheduler.long_prefill_token_threshold": 0, "scheduler.watermark": 0.0,
            "scheduler.max_num_queued_reqs": None, "hardware.tp": 1, "scheduler.queue_order": "fcfs",
            "scheduler.priority_weights": None, "scheduler.length_prediction_noise": 0.0,
-           "scheduler.enable_prefix_caching": False}
+           "scheduler.enable_prefix_caching": False, "scheduler.async_scheduling": None,
+           "scheduler.reserve_full_prompt": True}
 
-# vLLM 0.33's scheduler and cache keys (engines.md); its SchedulerConfig refuses any other key at start-up.
+# vLLM 0.33's scheduler and cache keys (engines.md; the last three as vllm/engine/arg_utils.py spells them, a
+# `false` written as --no-KEY); its SchedulerConfig refuses any other key at start-up.
 VLLM_KEYS = ("max-num-seqs", "max-num-batched-tokens", "enable-chunked-prefill", "long-prefill-token-threshold",
              "scheduling-policy", "max-num-queued-reqs", "max-num-queued-tokens", "watermark", "block-size",
-             "gpu-memory-utilization", "enable-prefix-caching", "max-model-len")
+             "gpu-memory-utilization", "enable-prefix-caching", "max-model-len", "async-scheduling",
+             "scheduler-reserve-full-isl", "num-gpu-blocks-override")
 # How each engine orders requests by priority (used when servetune's queue orders carry priorities):
 # servetune follows vLLM, lower value first.
 PRIORITY_ORDER = {"vllm": "lower value served first", "sglang": "higher value served first (negate servetune's)",
@@ -81,10 +87,12 @@ def _unexpressed(config: Config, expressed: set[str], engine: str,
                  policies: tuple[str, ...] = ("continuous",)) -> list[str]:
     """Warnings for the knobs in effect that ``expressed`` leaves out; ``policies``: the batching policies the
     engine can run (``scheduler.policy`` is expressed when it is one of them)."""
+    # Every engine defaults to the model's context length, so a max_model_len equal to it needs no key.
+    defaults = {**NEUTRAL, "scheduler.max_model_len": model_context_length(config)}
     unexpressed = []
     for key, value in in_effect(config).items():
         covered = value in policies if key == "scheduler.policy" else key in expressed
-        if not covered and not (key in NEUTRAL and NEUTRAL[key] == value):
+        if not covered and not (key in defaults and defaults[key] == value):
             unexpressed.append(f"{engine} cannot express {key}={_show(value)}")
     return unexpressed
 
@@ -149,10 +157,14 @@ def _vllm(policy: Policy) -> tuple[dict, list[str]]:
     }
     if s.enable_chunked_prefill and s.long_prefill_token_threshold:
         keys["long-prefill-token-threshold"] = s.long_prefill_token_threshold
-    if not s.enable_chunked_prefill:
-        # Without chunking a request must fit one step; servetune rejects the longer ones at arrival
-        # (reason token_budget) and vLLM does the same for requests longer than max-model-len.
-        keys["max-model-len"] = s.max_num_batched_tokens
+    if s.max_model_len is not None:
+        keys["max-model-len"] = s.max_model_len
+    if policy.kv_blocks_given:
+        # vLLM's num_gpu_blocks counts its null block, as num_kv_blocks does: the same number of usable blocks.
+        keys["num-gpu-blocks-override"] = s.num_kv_blocks
+    # Both on by default in vLLM 0.33; said either way, since the simulation counted on them or not.
+    keys["async-scheduling"] = s.pipelined
+    keys["scheduler-reserve-full-isl"] = s.reserve_full_prompt
     if s.max_num_queued_reqs is not None:
         keys["max-num-queued-reqs"] = s.max_num_queued_reqs
     if s.watermark:
@@ -160,13 +172,15 @@ def _vllm(policy: Policy) -> tuple[dict, list[str]]:
     expressed = {"scheduler.max_num_seqs", "scheduler.batch_size", "scheduler.max_num_batched_tokens",
                  "scheduler.enable_chunked_prefill", "scheduler.long_prefill_token_threshold", "scheduler.block_size",
                  "scheduler.num_kv_blocks", "scheduler.watermark", "scheduler.max_num_queued_reqs",
-                 "scheduler.enable_prefix_caching"}
+                 "scheduler.enable_prefix_caching", "scheduler.max_model_len", "scheduler.async_scheduling",
+                 "scheduler.reserve_full_prompt"}
     if s.queue_order == "priority":
         expressed.add("scheduler.queue_order")
     warnings = _unexpressed(policy.config, expressed, "vllm")
-    if "max-model-len" in keys:
-        warnings.append(f"vllm: max-model-len is set to the token budget ({keys['max-model-len']}) because chunked "
-                        "prefill is off: longer requests are refused, as they were in the simulation")
+    if s.max_model_len is None:
+        warnings.append(f"vllm: max-model-len is left to vLLM, which derives it from the model's config; knowing no "
+                        f"context length for {policy.config.model}, the simulation took requests of up to "
+                        f"{s.model_len_limit} tokens, all the KV cache holds")
     check_vllm(keys)
     return keys, warnings
 
@@ -184,6 +198,13 @@ def check_vllm(keys: dict) -> None:
     if not keys["enable-chunked-prefill"] and tokens < keys.get("max-model-len", 0):
         raise UserError(f"vllm: max-num-batched-tokens {tokens} < max-model-len {keys['max-model-len']} with "
                         "chunked prefill off; vLLM requires max-num-batched-tokens ≥ max-model-len then")
+    if "max-model-len" in keys and "num-gpu-blocks-override" in keys:
+        needed = -(-keys["max-model-len"] // keys["block-size"])
+        usable = keys["num-gpu-blocks-override"] - 1   # less vLLM's null block
+        if needed > usable:
+            raise UserError(f"vllm: max-model-len {keys['max-model-len']} needs {needed} KV blocks, but "
+                            f"num-gpu-blocks-override {keys['num-gpu-blocks-override']} leaves {usable} usable; vLLM "
+                            "refuses to start when the KV cache cannot hold max-model-len")
     if not 0 <= keys.get("watermark", 0) < 1:
         raise UserError(f"vllm: watermark {keys['watermark']} outside [0, 1)")
     if not 0 < keys["gpu-memory-utilization"] <= 1:

@@ -21,7 +21,8 @@ from servetune.config import Config, KnobConfig
 from servetune.envs.queue_order import FEATURES
 
 # The knobs searched when the config has no `search.knobs`. Token budgets start at 512 so that vLLM's rule
-# max_num_batched_tokens ≥ max_num_seqs holds for every pair in the default space.
+# max_num_batched_tokens ≥ max_num_seqs holds for every pair in the default space. Chunked prefill off needs a
+# budget of at least max_model_len, which most budgets here are not: those trials are pruned (search/study.py).
 DEFAULT_KNOBS: dict[str, tuple[tuple[str, KnobConfig], ...]] = {
     "continuous": (
         ("scheduler.max_num_seqs", KnobConfig(low=1, high=512, log=True)),

@@ -11,6 +11,10 @@ batch in vmapped calls, and tells Optuna the objectives, the SLO constraint and 
   others have completed or are running, and a trial asked beyond the total (two workers asking at the same
   moment) is marked FAIL with ``surplus`` set, never run -- so the study ends with exactly the requested
   number of COMPLETE trials.
+- Knobs vLLM would refuse to start with (``SchedulerConfig.vllm_refusal``: chunked prefill off with a token budget
+  below max_model_len, say) are not simulated: the trial is PRUNED with the reason in its ``vllm_refusal`` user
+  attribute, counts toward no total and is never best. After ``MAX_REFUSED_IN_A_ROW`` refusals in a row the study
+  stops, since its space then lies almost all outside what vLLM runs.
 """
 from __future__ import annotations
 
@@ -28,17 +32,21 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from servetune.config import Config, SearchConfig
 from servetune.errors import UserError
+from servetune.pipeline import fill_derived
 from servetune.search.baselines import baselines
 from servetune.search.evaluate import BatchEvaluator
 from servetune.search.objectives import Objective, attainment_shortfall, parse_objectives
 from servetune.search.provenance import config_data, config_from_data, config_hash
-from servetune.search.scenarios import TrialResult, evaluate_knobs, variants
+from servetune.search.scenarios import TrialResult, Variant, evaluate_knobs, variants
 from servetune.search.space import SearchSpace, apply_knobs
 from servetune.search.storage import DEFAULT_STORAGE, open_storage, study_names
 from servetune.search.workers import RERUN_ATTR, WORKER_ATTR, recover_stale_trials, this_worker
 
 SLO_CONSTRAINT = "slo_attainment"
 SURPLUS_ATTR = "surplus"
+REFUSAL_ATTR = "vllm_refusal"   # on a PRUNED trial: why vLLM would refuse to start with its knobs
+# Refused trials cost no simulation, so a sampler may try many; this many in a row means the space is the problem.
+MAX_REFUSED_IN_A_ROW = 100
 # Study attributes: enough to rebuild the config and to check that a resumed study is the same problem.
 CONFIG_ATTR, HASH_ATTR, SOURCE_ATTR, OBJECTIVES_ATTR = "config", "config_hash", "config_source", "objectives"
 
@@ -127,6 +135,9 @@ def run_study(config: Config, name: str, storage: str | None, show_progress: boo
         for reason in skipped:
             console.print(reason)
     _optimize(study, config, space, objectives, search.trials, show_progress, console)
+    summary = refused_summary(study)
+    if summary:
+        console.print(summary)
     return study
 
 
@@ -147,6 +158,12 @@ def _optimize(study: optuna.Study, config: Config, space: SearchSpace, objective
             missing = target - complete - running
             if missing <= 0:
                 return
+            refused = _refused_in_a_row(trials)
+            if len(refused) >= MAX_REFUSED_IN_A_ROW:
+                console.print(f"the last {len(refused)} trials all had knobs vLLM would refuse to start with "
+                              f"(trial {refused[0].number}: {refused[0].user_attrs[REFUSAL_ATTR]}); stopping with "
+                              f"{complete} of {target} COMPLETE trials: narrow search.knobs to settings vLLM accepts")
+                return
             if isinstance(study.sampler, optuna.samplers.GridSampler):
                 # Asked beyond the untried points, the grid sampler would repeat points.
                 missing = min(missing, _untried_grid_points(trials, space))
@@ -159,25 +176,79 @@ def _optimize(study: optuna.Study, config: Config, space: SearchSpace, objective
             kept = _drop_surplus(study, asked, target)
             if not kept:
                 continue
-            knob_sets = [space.suggest(trial) for trial in kept]
+            proposals = [(trial, space.suggest(trial)) for trial in kept]
             try:
-                results = evaluate_knobs(evaluator, study_variants, knob_sets, config.search.aggregate)
+                runnable = _prune_refused(study, study_variants, proposals)
+                results = evaluate_knobs(evaluator, study_variants, [knobs for _, knobs in runnable],
+                                         config.search.aggregate)
             except BaseException:
-                # Interrupted or broken: the batch's trials fail now (rather than stay RUNNING) and their
-                # proposals are queued again for the next run.
-                for trial, knobs in zip(kept, knob_sets):
+                # Interrupted or broken: the batch's trials not yet pruned fail now (rather than stay RUNNING)
+                # and their proposals are queued again for the next run.
+                for trial, knobs in proposals:
+                    if REFUSAL_ATTR in trial.user_attrs:
+                        continue
                     study.tell(trial, state=TrialState.FAIL)
                     kept_attrs = {k: v for k, v in trial.user_attrs.items() if k == "baseline"}
                     study.enqueue_trial(knobs, user_attrs={**kept_attrs, RERUN_ATTR: trial.number})
                 raise
-            for trial, result in zip(kept, results):
+            for (trial, _), result in zip(runnable, results):
                 _tell(study, trial, result, objectives, config.slo.attainment_target, console)
+
+
+def _prune_refused(study: optuna.Study, study_variants: Sequence[Variant],
+                   proposals: list[tuple[optuna.Trial, dict]]) -> list[tuple[optuna.Trial, dict]]:
+    """The proposals vLLM would start with; the others are PRUNED unrun, each with its reason."""
+    runnable = []
+    for trial, knobs in proposals:
+        refusal = _vllm_refusal(study_variants, knobs)
+        if refusal is None:
+            runnable.append((trial, knobs))
+        else:
+            trial.set_user_attr(REFUSAL_ATTR, refusal)
+            _tell_state(study, trial, TrialState.PRUNED)
+    return runnable
+
+
+def _vllm_refusal(study_variants: Sequence[Variant], knobs: dict) -> Optional[str]:
+    """Why vLLM would refuse to start with these knobs in some variant of the study (a scenario may change the
+    KV cache or max_model_len), or None."""
+    for variant in study_variants:
+        refusal = fill_derived(apply_knobs(variant.config, knobs)).scheduler.vllm_refusal()
+        if refusal is not None:
+            scenario = f"search.scenarios[{variant.scenario}]: " if variant.config.search.scenarios else ""
+            return scenario + refusal
+    return None
+
+
+def _refused_in_a_row(trials: Sequence[FrozenTrial]) -> list[FrozenTrial]:
+    """The refused trials since the last COMPLETE one, oldest first (trials still running or failed are
+    skipped: they decide nothing about the space)."""
+    refused: list[FrozenTrial] = []
+    for trial in sorted(trials, key=lambda t: t.number, reverse=True):
+        if trial.state == TrialState.COMPLETE:
+            break
+        if REFUSAL_ATTR in trial.user_attrs:
+            refused.insert(0, trial)
+    return refused
+
+
+def refused_summary(study: optuna.Study) -> Optional[str]:
+    """One line counting the trials pruned because vLLM would refuse their knobs, with the first one's reason;
+    None when there are none."""
+    refused = [t for t in study.get_trials(deepcopy=False, states=(TrialState.PRUNED,)) if REFUSAL_ATTR in t.user_attrs]
+    if not refused:
+        return None
+    first = refused[0]
+    count = f"{len(refused)} trial{'s' if len(refused) > 1 else ''}"
+    return (f"{count} vLLM would refuse to start with, pruned unrun; the first, trial {first.number}: "
+            f"{first.user_attrs[REFUSAL_ATTR]}")
 
 
 def _untried_grid_points(trials: Sequence[FrozenTrial], space: SearchSpace) -> int:
     grid = space.grid()
+    # A refused (PRUNED) point has been tried: asking for it again would only be refused again.
     tried = {tuple(t.params[key] for key in grid) for t in trials
-             if t.state in (TrialState.COMPLETE, TrialState.RUNNING) and set(t.params) >= set(grid)
+             if t.state in (TrialState.COMPLETE, TrialState.RUNNING, TrialState.PRUNED) and set(t.params) >= set(grid)
              and all(t.params[key] in values for key, values in grid.items())}
     return space.grid_size() - len(tried)
 
@@ -212,8 +283,13 @@ def _tell(study: optuna.Study, trial: optuna.Trial, result: TrialResult, objecti
     trial.set_user_attr("scheduler", json.loads(json.dumps(dataclasses.asdict(resolved.scheduler))))
     trial.set_user_attr("hardware", json.loads(json.dumps(dataclasses.asdict(resolved.hardware))))
     trial.set_constraint(SLO_CONSTRAINT, attainment_shortfall(result.metrics, attainment_target))
+    _tell_state(study, trial, TrialState.COMPLETE, [objective.value(result.metrics) for objective in objectives])
+
+
+def _tell_state(study: optuna.Study, trial: optuna.Trial, state: TrialState,
+                values: Optional[list[float]] = None) -> None:
     try:
-        study.tell(trial, [objective.value(result.metrics) for objective in objectives])
+        study.tell(trial, values, state=state)
     except RuntimeError:
         # The grid sampler asks the study to stop once every point is taken, which Optuna allows only inside
         # study.optimize. The trial is stored before that request, so it only means the grid is done.
@@ -259,8 +335,10 @@ def chosen_trial(study: optuna.Study, number: Optional[int]) -> FrozenTrial:
         trials = [t for t in study.get_trials(deepcopy=False) if t.number == number]
         if not trials or trials[0].state != TrialState.COMPLETE:
             state = trials[0].state.name if trials else "absent"
+            refusal = trials[0].user_attrs.get(REFUSAL_ATTR) if trials else None
+            why = f" (vLLM would refuse to start with its knobs: {refusal})" if refusal else ""
             raise UserError(f"--trial {number}: expected a COMPLETE trial of study {study.study_name}, "
-                            f"found {state}")
+                            f"found {state}{why}")
         return trials[0]
     front = best_trials(study)
     if not front:

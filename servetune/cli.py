@@ -86,9 +86,13 @@ def _ms(value: Optional[float]) -> str:
 
 def _print_report(console: Console, source: str, report) -> None:
     m, config = report.metrics, report.config
+    scheduler = config.scheduler
+    # Unset, max_model_len is what the KV cache holds (SchedulerConfig.model_len_limit).
+    kv_bound = " (what the KV cache holds)" if scheduler.max_model_len is None else ""
     console.print(f"[bold]{source}[/bold]: {report.workload.description}; {config.model} on "
                   f"{config.hardware.gpu} ×{config.hardware.tp}, {config.cost_model.kind} cost model, "
-                  f"{config.scheduler.policy} batching")
+                  f"{scheduler.policy} batching, {'async' if scheduler.pipelined else 'synchronous'} scheduling, "
+                  f"max_model_len {scheduler.model_len_limit}{kv_bound}")
 
     latency = Table(title="latency (ms)", title_justify="left")
     latency.add_column("")
@@ -131,7 +135,7 @@ def _print_report(console: Console, source: str, report) -> None:
         summary.add_row("worst segment", f"{dimension} {escape(name)}: [{colour}]{segment['slo_attainment']:.1%}[/] "
                                          f"attained, {latency_text}")
     summary.add_row("engine", f"{m['preemptions']} preemptions, mean batch {_num(m['mean_batch_size'])}, "
-                              f"KV occupancy {_pct(m['mean_kv_utilization'])} of {config.scheduler.num_kv_blocks:,} "
+                              f"KV occupancy {_pct(m['mean_kv_utilization'])} of {scheduler.num_kv_blocks:,} "
                               f"blocks, {m['engine_steps']:,} steps over {m['duration_s']:,.1f} s")
     if m["prefix_cache_hit_rate"] is not None:
         summary.add_row("prefix cache", f"{_pct(m['prefix_cache_hit_rate'])} of prompt blocks found cached")

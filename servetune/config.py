@@ -100,15 +100,62 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     block_size: int = 16
-    num_kv_blocks: Optional[int] = 8192
+    num_kv_blocks: Optional[int] = 8192    # vLLM's num_gpu_blocks: block 0 is its null block, so one fewer usable
     watermark: float = 0.0
-    max_num_queued_reqs: Optional[int] = None
+    max_num_queued_reqs: Optional[int] = None   # vLLM's API server refuses arrivals beyond this many unfinished
+    max_model_len: Optional[int] = None    # prompts this long are refused at arrival, outputs cut to fit; null:
+                                           # the workload's, else the model's context, else what the KV holds
+    async_scheduling: Optional[bool] = None  # null: vLLM 0.33's default, on for continuous batching
+    reserve_full_prompt: bool = True       # vLLM's scheduler_reserve_full_isl: admit only if the whole prompt fits
     batch_size: int = 32             # static only
     max_wait_s: float = 1.0          # static only
     queue_order: str = "fcfs"        # fcfs | priority | sjf | fair | edf | weighted
     priority_weights: Any = None     # weighted: {feature: weight} over the features in envs/queue_order.py
     length_prediction_noise: float = 0.0   # sjf: sigma of the predictor's log error (0: the true length)
     enable_prefix_caching: bool = False
+
+    @property
+    def usable_kv_blocks(self) -> int:
+        """Blocks requests can hold: vLLM's block pool keeps block 0 back as its null block
+        (vllm/v1/core/block_pool.py)."""
+        return self.num_kv_blocks - 1
+
+    @property
+    def model_len_limit(self) -> int:
+        """The longest request (prompt + output tokens) the engine accepts: ``max_model_len``, or when unset
+        the most the KV cache holds -- vLLM refuses to start with a max_model_len its cache cannot hold."""
+        if self.max_model_len is not None:
+            return self.max_model_len
+        return self.usable_kv_blocks * self.block_size
+
+    def vllm_refusal(self) -> Optional[str]:
+        """Why vLLM 0.33 would refuse to start with these knobs (vllm/config/scheduler.py,
+        verify_max_model_len; vllm/v1/core/kv_cache_utils.py for the cache), or None."""
+        model_len = self.model_len_limit
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            return (f"scheduler.max_num_batched_tokens: {self.max_num_batched_tokens} is below max_num_seqs "
+                    f"{self.max_num_seqs}; vLLM requires max_num_batched_tokens >= max_num_seqs")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < model_len:
+            return (f"scheduler.max_num_batched_tokens: {self.max_num_batched_tokens} is below max_model_len "
+                    f"{model_len} with chunked prefill off; vLLM requires max_num_batched_tokens >= max_model_len "
+                    f"unless enable_chunked_prefill is true")
+        if self.long_prefill_token_threshold > model_len:
+            return (f"scheduler.long_prefill_token_threshold: {self.long_prefill_token_threshold} is above "
+                    f"max_model_len {model_len}; vLLM requires long_prefill_token_threshold <= max_model_len")
+        if -(-model_len // self.block_size) > self.usable_kv_blocks:
+            return (f"scheduler.max_model_len: {model_len} tokens need {-(-model_len // self.block_size)} KV blocks "
+                    f"of {self.block_size}, but num_kv_blocks {self.num_kv_blocks} leaves {self.usable_kv_blocks} "
+                    f"usable (one is vLLM's null block); vLLM refuses to start when the KV cache cannot hold "
+                    f"max_model_len")
+        return None
+
+    @property
+    def pipelined(self) -> bool:
+        """Async scheduling: step k + 1 is scheduled while step k runs (vLLM 0.33's default). Static
+        batching, which no vLLM engine runs, is always synchronous."""
+        if self.policy == "static":
+            return False
+        return True if self.async_scheduling is None else self.async_scheduling
 
 
 @dataclass(frozen=True)

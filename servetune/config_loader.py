@@ -5,7 +5,8 @@ unknown key is an error, with a "did you mean" suggestion), their type hints the
 omitted keys. On top of the types, ``FIELD_RANGES`` and ``FIELD_CHOICES`` bound single fields, and the
 per-kind rules (``ARRIVAL_RULES``, ``LENGTH_RULES``), the tenants' rule and ``_check_cross_field`` relate fields to
 each other.
-A new arrival or length kind is one entry in its rule table.
+A new arrival or length kind is one entry in its rule table. vLLM's start-up rules read the KV-cache size, which
+may be derived from the model and GPU, so ``check_vllm_would_start`` applies them once the config is resolved.
 
 Every message reads ``<source>: <dotted.key>: got <value>, expected <what>``, plus the ``--set`` override
 responsible when there is one.
@@ -99,6 +100,7 @@ FIELD_RANGES: dict[str, Range] = {
     "scheduler.num_kv_blocks": AT_LEAST_ONE,
     "scheduler.watermark": Range(low=0, high=1, high_open=True),
     "scheduler.max_num_queued_reqs": NON_NEGATIVE,
+    "scheduler.max_model_len": Range(low=2),   # a prompt token and an output token
     "scheduler.batch_size": AT_LEAST_ONE,
     "scheduler.max_wait_s": NON_NEGATIVE,
     "scheduler.length_prediction_noise": NON_NEGATIVE,
@@ -726,6 +728,10 @@ def _check_cross_field(config: Config, report: _Reporter, base_dir: Path) -> Con
             "scheduler.long_prefill_token_threshold", scheduler.long_prefill_token_threshold,
             "0 when enable_chunked_prefill is false (the threshold caps prefill chunks)",
         )
+    if scheduler.policy == "static" and scheduler.async_scheduling:
+        raise report.bad_value("scheduler.async_scheduling", True,
+                               "false or null with policy static (static batching has no vLLM engine to pipeline: "
+                               "it is always synchronous)")
     if config.cost_model.kind == "calibrated" and config.cost_model.profile is None:
         raise report.bad_value("cost_model.profile", None, "a fitted profile for the calibrated cost model")
     config = dataclasses.replace(config, scheduler=_check_queue_order(scheduler, report))
@@ -1014,6 +1020,15 @@ def config_from_dict(data: dict, source: str = "<dict>", base_dir: Union[str, Pa
     """Validate plain data (as parsed from YAML) into a Config. Relative trace paths resolve against
     ``base_dir`` (the current folder when None)."""
     return _build_config(data, source, Path(base_dir) if base_dir is not None else Path.cwd(), _Reporter(source))
+
+
+def check_vllm_would_start(resolved: Config) -> None:
+    """Refuse, with one line naming the file, the field, the value and vLLM's rule, knobs with which vLLM 0.33
+    would refuse to start. Its rules read the KV-cache size and max_model_len, which may be derived from the
+    model and GPU, so this runs on the resolved config (``servetune.pipeline.resolve``) rather than on load."""
+    refusal = resolved.scheduler.vllm_refusal()
+    if refusal is not None:
+        raise ConfigError(f"{resolved.source or '<config>'}: {refusal}")
 
 
 def load_config(path: Union[str, Path], overrides: Sequence[str] = ()) -> Config:

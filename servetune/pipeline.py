@@ -7,7 +7,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 from servetune.config import Config
-from servetune.cost_models.factory import build_cost_model, derive_num_kv_blocks
+from servetune.config_loader import check_vllm_would_start
+from servetune.cost_models.catalog import resolve_model
+# The folder a config's relative model path is read from, as the KV-cache sizing reads it.
+from servetune.cost_models.factory import _config_dir, build_cost_model, derive_num_kv_blocks
 from servetune.envs.metrics import compute_metrics, segment_metrics
 from servetune.envs.outcome import SimulationOutcome
 from servetune.envs.simulator import simulate_timed
@@ -26,12 +29,37 @@ class RunReport:
     timing: dict               # load_s, compile_s, simulate_s (simulate_s excludes compilation)
 
 
-def resolve(config: Config) -> Config:
-    """Fill what the config leaves to be derived: the KV-cache size from the model and GPU."""
-    if config.scheduler.num_kv_blocks is not None:
-        return config
-    scheduler = dataclasses.replace(config.scheduler, num_kv_blocks=derive_num_kv_blocks(config))
+def fill_derived(config: Config) -> Config:
+    """Fill what the config leaves to be derived: the KV-cache size from the model and GPU, and max_model_len
+    (``default_max_model_len``). Not checked against vLLM's start-up rules: that is ``resolve``."""
+    scheduler = config.scheduler
+    if scheduler.num_kv_blocks is None:
+        scheduler = dataclasses.replace(scheduler, num_kv_blocks=derive_num_kv_blocks(config))
+    if scheduler.max_model_len is None:
+        scheduler = dataclasses.replace(scheduler, max_model_len=default_max_model_len(config))
     return dataclasses.replace(config, scheduler=scheduler)
+
+
+def default_max_model_len(config: Config) -> Optional[int]:
+    """max_model_len when the scheduler leaves it unset: the workload's (its requests are cut to it), else
+    vLLM's default, the model's context length; None when neither is known, and the engine then takes what the
+    KV cache holds. Never capped to the cache: vLLM refuses to start instead (``SchedulerConfig.vllm_refusal``)."""
+    if config.workload.max_model_len is not None:
+        return config.workload.max_model_len
+    return model_context_length(config)
+
+
+def model_context_length(config: Config) -> Optional[int]:
+    """The model's context length, vLLM's default max_model_len; None when its config.json names none."""
+    return resolve_model(config.model, _config_dir(config)).max_model_len
+
+
+def resolve(config: Config) -> Config:
+    """The config as simulated: derived fields filled (``fill_derived``), and a ConfigError if vLLM would
+    refuse to start with its knobs, since no deployment could then reproduce the simulation."""
+    resolved = fill_derived(config)
+    check_vllm_would_start(resolved)
+    return resolved
 
 
 def simulate_config(config: Config, window_s: Optional[float] = None) -> RunReport:

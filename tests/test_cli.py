@@ -119,6 +119,9 @@ def _bad_inputs(tmp_path: Path) -> dict[str, list[str]]:
         "bad trace row": [str(tmp_path / "bad_row.yaml")],
         "bad override": [str(EXAMPLES / "chat.yaml"), "--set", "scheduler.max_num_seqs=-3"],
         "missing file": [str(tmp_path / "nope.yaml")],
+        # chat.yaml leaves max_model_len to Llama-2-7B's 4,096 tokens, above its 2,048-token budget.
+        "knobs vLLM refuses": [str(EXAMPLES / "chat.yaml"), "--set", "scheduler.enable_chunked_prefill=false"],
+        "async static batching": [str(EXAMPLES / "static.yaml"), "--set", "scheduler.async_scheduling=true"],
     }
 
 
@@ -130,6 +133,9 @@ def test_bad_input_is_one_clear_line_and_exit_code_2(tmp_path):
         "bad trace row": ["negative.csv", "row 2", "num_prefill_tokens", "-3"],
         "bad override": ["scheduler.max_num_seqs", "-3"],
         "missing file": ["nope.yaml"],
+        "knobs vLLM refuses": ["chat.yaml", "scheduler.max_num_batched_tokens: 2048", "max_model_len 4096",
+                               "chunked prefill"],
+        "async static batching": ["static.yaml", "scheduler.async_scheduling: got true", "static"],
     }
     for case, args in _bad_inputs(tmp_path).items():
         result = subprocess.run([sys.executable, "-m", "servetune.cli", "simulate", *args],
@@ -157,3 +163,33 @@ def test_roofline_config_with_kv_blocks_derived_from_the_hardware(tmp_path, caps
     assert run["config"]["scheduler"]["num_kv_blocks"] == memory["num_kv_blocks"] > 0
     assert run["config"]["cost_model"]["kind"] == "roofline"
     assert run["completed"] == 200
+
+
+@pytest.mark.parametrize("command", [["capacity"], ["train-rl", "--no-progress", "--out", "{tmp}/rl"]])
+def test_every_command_that_simulates_refuses_knobs_vllm_would_not_start_with(command, tmp_path, capsys):
+    args = [word.format(tmp=tmp_path) for word in command]
+    code = main([args[0], str(EXAMPLES / "chat.yaml"), *args[1:], "--set", "scheduler.max_num_seqs=512",
+                 "--set", "scheduler.max_num_batched_tokens=256"])
+    assert code == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith(f"servetune: error: {EXAMPLES / 'chat.yaml'}: scheduler.max_num_batched_tokens: 256")
+    assert "max_num_seqs 512" in error and "\n" not in error
+
+
+def test_the_header_says_how_steps_are_scheduled_and_the_longest_request(tmp_path, capsys):
+    def header(*overrides: str) -> str:
+        sets = [word for item in ("workload.num_requests=20", *overrides) for word in ("--set", item)]
+        assert main(["simulate", str(EXAMPLES / "chat.yaml"), *sets]) == 0
+        before_the_tables = capsys.readouterr().out.split("latency (ms)")[0]
+        return " ".join(before_the_tables.split())   # the console wraps long lines
+
+    # Llama-2-7B's context length, vLLM's default.
+    assert header().endswith("continuous batching, async scheduling, max_model_len 4096")
+    assert header("scheduler.async_scheduling=false", "workload.max_model_len=3000").endswith(
+        "continuous batching, synchronous scheduling, max_model_len 3000")
+    # A model of unknown context length: the engine takes what chat.yaml's cache holds, (8192 - 1) x 16 tokens.
+    model = json.loads((EXAMPLES.parent / "tests" / "fixtures" / "hf" / "llama-2-7b.json").read_text())
+    del model["max_position_embeddings"]
+    (tmp_path / "config.json").write_text(json.dumps(model))
+    assert header(f"model={tmp_path / 'config.json'}").endswith(
+        "async scheduling, max_model_len 131056 (what the KV cache holds)")

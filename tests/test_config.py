@@ -22,6 +22,7 @@ from servetune.envs.lengths import LognormalSpec
 from servetune.envs.traces import TRACE_PARSERS
 from servetune.errors import ConfigError, UserError
 from servetune.paths import REPO_ROOT
+from servetune.pipeline import resolve
 from servetune.search.provenance import config_data, config_from_data
 
 EXAMPLES = REPO_ROOT / "examples"
@@ -242,6 +243,10 @@ def test_message_names_file_field_value_and_expectation(tmp_path):
         ("scheduler", "watermark", -0.1, "got -0.1, expected a finite number in [0, 1)"),
         ("scheduler", "max_num_queued_reqs", -1, "got -1, expected an integer ≥ 0 or null"),
         ("scheduler", "max_wait_s", -0.5, "got -0.5, expected a finite number ≥ 0"),
+        ("scheduler", "max_model_len", 1, "got 1, expected an integer ≥ 2 or null"),
+        ("scheduler", "max_model_len", 4096.5, "got 4096.5, expected an integer ≥ 2 or null"),
+        ("scheduler", "async_scheduling", "on", "got 'on', expected true or false or null"),
+        ("scheduler", "reserve_full_prompt", None, "got null, expected true or false"),
         ("slo", "itl_ms", 0, "got 0, expected a finite number > 0 or null"),
         ("slo", "attainment_target", 0, "got 0, expected a finite number in (0, 1]"),
         ("slo", "attainment_target", 1.01, "got 1.01, expected a finite number in (0, 1]"),
@@ -589,6 +594,113 @@ def test_cross_field_rules():
     assert chunked.scheduler.long_prefill_token_threshold == 256
     calibrated = config_from_dict({"cost_model": {"kind": "calibrated", "profile": "a100.json"}})
     assert calibrated.cost_model.profile == "a100.json"
+
+
+# --- vLLM 0.33's start-up rules, checked on the resolved config --------------------------------------------
+
+def test_static_batching_refuses_async_scheduling():
+    assert config_error({"scheduler": {"policy": "static", "async_scheduling": True}}) == (
+        "c.yaml: scheduler.async_scheduling: got true, expected false or null with policy static (static batching "
+        "has no vLLM engine to pipeline: it is always synchronous)")
+    assert not config_from_dict({"scheduler": {"policy": "static", "async_scheduling": False}}).scheduler.pipelined
+    assert not config_from_dict({"scheduler": {"policy": "static"}}).scheduler.pipelined
+    assert config_from_dict({}).scheduler.pipelined   # vLLM 0.33's default for continuous batching
+    assert not config_from_dict({"scheduler": {"async_scheduling": False}}).scheduler.pipelined
+
+
+def refusal(data: dict) -> str:
+    """The one-line error resolving ``data`` raises (source "c.yaml"); loading it alone raises nothing."""
+    config = config_from_dict(data, source="c.yaml")
+    with pytest.raises(ConfigError) as raised:
+        resolve(config)
+    message = str(raised.value)
+    assert "\n" not in message
+    return message
+
+
+# Defaults where unset: Llama-2-7B, whose config.json allows 4,096 tokens (max_position_embeddings); 8,192 KV
+# blocks of 16 tokens.
+@pytest.mark.parametrize(
+    "data,fragments",
+    [
+        ({"scheduler": {"max_num_seqs": 512, "max_num_batched_tokens": 256}},
+         ["c.yaml: scheduler.max_num_batched_tokens: 256", "max_num_seqs 512",
+          "max_num_batched_tokens >= max_num_seqs"]),
+        ({"scheduler": {"enable_chunked_prefill": False, "max_num_batched_tokens": 2048, "max_model_len": 4096}},
+         ["c.yaml: scheduler.max_num_batched_tokens: 2048", "max_model_len 4096", "chunked prefill",
+          "max_num_batched_tokens >= max_model_len"]),
+        # Unset, max_model_len is the workload's ...
+        ({"scheduler": {"enable_chunked_prefill": False, "max_num_batched_tokens": 8192},
+          "workload": {"max_model_len": 16384}},
+         ["c.yaml: scheduler.max_num_batched_tokens: 8192", "max_model_len 16384"]),
+        # ... else the model's, as vLLM's default.
+        ({"scheduler": {"enable_chunked_prefill": False}},
+         ["c.yaml: scheduler.max_num_batched_tokens: 2048", "max_model_len 4096"]),
+        # The model's, uncapped: vLLM refuses to start when its cache cannot hold it (4,096 / 16 = 256 blocks).
+        ({"scheduler": {"num_kv_blocks": 200}}, ["c.yaml: scheduler.max_model_len: 4096", "256 KV blocks",
+                                                 "199 usable"]),
+        ({"scheduler": {"max_model_len": 1024, "long_prefill_token_threshold": 2048}},
+         ["c.yaml: scheduler.long_prefill_token_threshold: 2048", "max_model_len 1024",
+          "long_prefill_token_threshold <= max_model_len"]),
+        # 4,096 tokens need 4096 / 16 = 256 blocks; 256 blocks leave 255 once vLLM's null block is out.
+        ({"scheduler": {"num_kv_blocks": 256, "max_model_len": 4096}},
+         ["c.yaml: scheduler.max_model_len: 4096", "256 KV blocks", "255 usable"]),
+    ],
+)
+def test_knobs_vllm_would_refuse_to_start_with_are_one_line_naming_the_field_value_and_rule(data, fragments):
+    message = refusal(data)
+    for fragment in fragments:
+        assert fragment in message, (fragment, message)
+
+
+@pytest.mark.parametrize("scheduler", [
+    {"max_num_seqs": 256, "max_num_batched_tokens": 256},
+    {"enable_chunked_prefill": False, "max_num_batched_tokens": 4096, "max_model_len": 4096},
+    {"max_model_len": 2048, "long_prefill_token_threshold": 2048},
+    {"num_kv_blocks": 257, "max_model_len": 4096},   # 256 usable blocks hold 4,096 tokens exactly
+])
+def test_knobs_on_the_edge_of_vllms_rules_resolve(scheduler):
+    assert resolve(config_from_dict({"scheduler": scheduler})).scheduler.vllm_refusal() is None
+
+
+def test_a_derived_kv_cache_is_checked_once_resolved():
+    # Llama-2-7B keeps 2 x 32 layers x 4,096 x 2 bytes = 512 KiB of KV per token: an A100-80GB holds under
+    # 163,840 tokens however its memory is shared, far from 10,000,000.
+    data = {"scheduler": {"num_kv_blocks": None, "max_model_len": 10_000_000}}
+    assert config_from_dict(data).scheduler.num_kv_blocks is None   # derived from the model and GPU on resolving
+    assert refusal(data).startswith("c.yaml: scheduler.max_model_len: 10000000 tokens need 625000 KV blocks")
+
+
+@pytest.fixture
+def lengthless_model(tmp_path):
+    """Llama-2-7B's config.json without max_position_embeddings: a model whose context length is unknown."""
+    data = json.loads((FIXTURES / "hf" / "llama-2-7b.json").read_text())
+    del data["max_position_embeddings"]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+@pytest.mark.parametrize("scheduler_len,workload_len,resolved_len", [
+    (2048, 3000, 2048),    # the scheduler's own
+    (None, 3000, 3000),    # else the workload's
+    (None, None, 4096),    # else the model's: Llama-2-7B's config.json has max_position_embeddings 4096
+])
+def test_max_model_len_resolves_from_the_scheduler_then_the_workload_then_the_model(scheduler_len, workload_len,
+                                                                                   resolved_len):
+    config = config_from_dict({"scheduler": {"max_model_len": scheduler_len},
+                               "workload": {"max_model_len": workload_len}})
+    scheduler = resolve(config).scheduler
+    assert scheduler.max_model_len == scheduler.model_len_limit == resolved_len
+
+
+def test_without_any_max_model_len_the_engine_takes_what_the_kv_cache_holds(lengthless_model):
+    scheduler = resolve(config_from_dict({"model": lengthless_model})).scheduler
+    assert scheduler.max_model_len is None
+    assert scheduler.model_len_limit == (8192 - 1) * 16   # vLLM's null block is no request's
+    assert refusal({"model": lengthless_model, "scheduler": {"enable_chunked_prefill": False,
+                                                             "max_num_batched_tokens": 16384}}).startswith(
+        "c.yaml: scheduler.max_num_batched_tokens: 16384 is below max_model_len 131056")
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
 """Differential test: the JAX engine and the plain-Python reference agree on random small cases.
 
-The two simulators implement README.md's engine semantics independently, so every random workload and
+The two simulators implement the engine semantics (docs/engine-semantics.md) independently, so every random workload and
 knob setting below is a chance to catch one of them breaking a rule. Each workload (always
 ``NUM_REQUESTS`` requests, so the engine compiles once) is served under ``CONFIGS_PER_WORKLOAD`` random
 scheduler configs and linear cost models in one ``simulate_many`` call, and each config by the
@@ -34,10 +34,9 @@ from servetune.cost_models.linear import LinearCostParams, step_time_s
 from servetune.envs.outcome import (
     COMPLETED,
     NOT_ARRIVED,
-    REJECT_KV_CAPACITY,
+    REJECT_MAX_MODEL_LEN,
     REJECT_NAMES,
     REJECT_QUEUE_FULL,
-    REJECT_TOKEN_BUDGET,
     REJECTED,
     STATUS_NAMES,
     UNFINISHED,
@@ -126,26 +125,40 @@ def draw_sessions(rng: np.random.Generator) -> Workload:
 
 
 def draw_scheduler(rng: np.random.Generator, workload: Workload) -> SchedulerConfig:
+    """A config vLLM would start with: max_num_batched_tokens >= max_num_seqs, a KV cache that holds
+    max_model_len, and without chunked prefill a budget that holds it too."""
     chunked = bool(rng.random() < 0.5)
     block_size = int(rng.integers(1, 17))
-    peak_tokens = workload.prompt_tokens + workload.output_tokens - 1
-    largest = int(np.max(-(-peak_tokens // block_size)))  # blocks the largest request needs at its peak
-    return SchedulerConfig(
+    longest = int(np.max(workload.prompt_tokens + workload.output_tokens))
+    max_num_seqs = int(rng.integers(1, 9))
+    budget = max(max_num_seqs, int(np.exp(rng.uniform(math.log(8), math.log(512)))))
+    # From under the longest request (it is rejected) to over it.
+    max_model_len = int(rng.integers(max(1, longest // 2), 2 * longest + 1))
+    if not chunked:
+        max_model_len = min(max_model_len, budget)
+    needs = -(-max_model_len // block_size) + 1   # blocks for max_model_len, and the null block
+    threshold = int(rng.choice([1, 2, rng.integers(1, 33)])) if chunked and rng.random() < 0.5 else 0
+    scheduler = SchedulerConfig(
         policy="static" if rng.random() < 0.3 else "continuous",
-        max_num_seqs=int(rng.integers(1, 9)),
-        max_num_batched_tokens=int(np.exp(rng.uniform(math.log(8), math.log(512)))),
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
         enable_chunked_prefill=chunked,
         # A cap of 1 or 2 turns prefills and recomputes into 1-token chunks, which cost like decodes.
-        long_prefill_token_threshold=(int(rng.choice([1, 2, rng.integers(1, 33)]))
-                                      if chunked and rng.random() < 0.5 else 0),
+        long_prefill_token_threshold=min(threshold, max_model_len),
         block_size=block_size,
-        # From half the largest request's peak (it is rejected) to a few requests' worth (they preempt).
-        num_kv_blocks=int(rng.integers(max(1, largest // 2), 3 * largest + 1)),
+        # From just what max_model_len needs (requests preempt each other) to a few requests' worth.
+        num_kv_blocks=int(rng.integers(needs, 3 * needs + 1)),
+        # Unset, max_model_len is what the cache holds; without chunking the budget must hold it.
+        max_model_len=None if chunked and rng.random() < 0.3 else max_model_len,
         watermark=0.0 if rng.random() < 0.5 else float(rng.uniform(0.0, 0.3)),
         max_num_queued_reqs=None if rng.random() < 0.7 else int(rng.integers(0, 5)),
+        async_scheduling=None if rng.random() < 0.7 else False,
+        reserve_full_prompt=bool(rng.random() < 0.8),
         batch_size=int(rng.integers(1, 9)),
         max_wait_s=float(rng.choice([0.0, 0.125, f32(rng.uniform(0.0, 1.0))])),
     )
+    assert scheduler.vllm_refusal() is None, scheduler.vllm_refusal()
+    return scheduler
 
 
 def draw_cost(rng: np.random.Generator) -> LinearCostParams:
@@ -174,15 +187,8 @@ def released_at_a_step_end(case: Case) -> bool:
     double-float sums of float32 ones), so these cases are not compared, only counted.
     """
     engine = _Engine(case.workload, case.scheduler, step_time_s, case.cost, case.horizon_s, None)
-    step_ends = []
-    execute = engine.execute
-
-    def recording(scheduled):
-        execute(scheduled)
-        step_ends.append(engine.clock)
-
-    engine.execute = recording
     engine.run()
+    step_ends = [step.end_s for step in engine.step_log]
     released = engine.outcome().requests.arrival_s[case.workload.think_s > 0]
     released, ends = released[~np.isnan(released)], np.array(step_ends)
     return bool(ends.size and released.size
@@ -317,9 +323,9 @@ def test_simulate_workload_matches_reference():
 def event_counts(results) -> dict[str, int]:
     """In how many cases each event the comparison is meant to cover happened (on the reference)."""
     counts = dict.fromkeys(
-        ["preemption", "static preemption", "preemption under a 1-2 token cap", "kv_capacity", "token_budget",
-         "queue_full", "static completion", "unfinished at horizon", "not arrived before horizon",
-         "long-prefill cap", "watermark", "completed all"], 0)
+        ["preemption", "static preemption", "preemption under a 1-2 token cap", "max_model_len", "queue_full",
+         "static completion", "unfinished at horizon", "not arrived before horizon",
+         "long-prefill cap", "watermark", "completed all", "async preemption", "preemption, prompt not reserved"], 0)
     for case, reference, _ in results:
         r, s = reference.requests, case.scheduler
         static = s.policy == "static"
@@ -329,16 +335,17 @@ def event_counts(results) -> dict[str, int]:
         counts["static preemption"] += static and preempted
         # Recomputed 1 or 2 tokens a step: chunks that the cost model counts as decodes but that emit nothing.
         counts["preemption under a 1-2 token cap"] += preempted and 0 < s.long_prefill_token_threshold <= 2
-        counts["kv_capacity"] += bool(np.any(r.reject_reason == REJECT_KV_CAPACITY))
-        counts["token_budget"] += bool(np.any(r.reject_reason == REJECT_TOKEN_BUDGET))
+        counts["max_model_len"] += bool(np.any(r.reject_reason == REJECT_MAX_MODEL_LEN))
         counts["queue_full"] += bool(np.any(r.reject_reason == REJECT_QUEUE_FULL))
         counts["static completion"] += static and bool(np.any(r.status == COMPLETED))
         counts["unfinished at horizon"] += bool(np.any((r.status == UNFINISHED) & (r.generated_tokens > 0)))
         counts["not arrived before horizon"] += bool(np.any(r.status == NOT_ARRIVED))
         longest_prompt = int(case.workload.prompt_tokens.max())
         counts["long-prefill cap"] += served and 0 < s.long_prefill_token_threshold < longest_prompt
-        counts["watermark"] += served and math.floor(s.watermark * s.num_kv_blocks) > 0
+        counts["watermark"] += served and int(s.watermark * s.num_kv_blocks) > 0
         counts["completed all"] += bool(np.all(r.status == COMPLETED))
+        counts["async preemption"] += preempted and s.pipelined
+        counts["preemption, prompt not reserved"] += preempted and not static and not s.reserve_full_prompt
     return counts
 
 

@@ -359,14 +359,14 @@ def test_fair_share_keeps_two_backlogged_tenants_within_the_vtc_bound():
                                         max_num_batched_tokens=2048, num_kv_blocks=4000)
         engine = _Engine(workload, scheduler, step_time_s, linear(0.02, 5e-5), 30.0, None)
         gaps = []
-        execute = engine.execute
+        complete = engine.complete
 
-        def recording_execute(scheduled):
-            execute(scheduled)
+        def recording_complete(batch):
+            complete(batch)
             if {r.tenant for r in engine.waiting} == {0, 1}:
                 gaps.append(abs(engine.tenant_tokens[0] - engine.tenant_tokens[1]))
 
-        engine.execute = recording_execute
+        engine.complete = recording_complete
         engine.run()
         assert len(gaps) > 100, "both tenants should stay backlogged for most of the run"
         return max(gaps)

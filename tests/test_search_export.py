@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import shlex
+from pathlib import Path
 
 import optuna
 import pytest
 import yaml
+from optuna.trial import TrialState
 
 from search_configs import study_config
 from servetune.config_loader import load_config
@@ -17,16 +20,18 @@ from servetune.errors import UserError
 from servetune.pipeline import resolve
 from servetune.search import cli as search_cli
 from servetune.search.evaluate import use_persistent_compilation_cache
-from servetune.search.export import Policy, export
+from servetune.search.export import Policy, check_vllm, export
 from servetune.search.provenance import config_hash
 from servetune.search.study import run_study
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
-# vLLM 0.33's accepted keys, typed from ../shared/reference/engines.md (not imported from the exporter).
+# vLLM 0.33's accepted keys, typed from ../shared/reference/engines.md and, for the last three, from vLLM 0.33's
+# vllm/engine/arg_utils.py (not imported from the exporter).
 VLLM_033_KEYS = {"max-num-seqs", "max-num-batched-tokens", "enable-chunked-prefill", "long-prefill-token-threshold",
                  "scheduling-policy", "max-num-queued-reqs", "max-num-queued-tokens", "watermark", "block-size",
-                 "gpu-memory-utilization", "enable-prefix-caching", "max-model-len"}
+                 "gpu-memory-utilization", "enable-prefix-caching", "max-model-len", "async-scheduling",
+                 "scheduler-reserve-full-isl", "num-gpu-blocks-override"}
 VLLM_REMOVED = {"max-num-partial-prefills", "max-long-partial-prefills", "preemption-mode", "swap-space"}
 
 
@@ -43,6 +48,9 @@ def _vllm_rules_hold(keys: dict) -> None:
     assert keys["max-num-batched-tokens"] >= keys["max-num-seqs"]
     if not keys["enable-chunked-prefill"]:
         assert keys["max-num-batched-tokens"] >= keys["max-model-len"]
+    if "max-model-len" in keys and "num-gpu-blocks-override" in keys:
+        # The cache holds max-model-len in the blocks left beside vLLM's null block.
+        assert -(-keys["max-model-len"] // keys["block-size"]) <= keys["num-gpu-blocks-override"] - 1
     assert 0 <= keys.get("watermark", 0) < 1
     assert 0 < keys["gpu-memory-utilization"] <= 1
 
@@ -78,18 +86,38 @@ def test_a_block_count_becomes_the_smallest_memory_share_that_holds_it():
     derived = resolve(load_config("examples/chat.yaml", ["scheduler.num_kv_blocks=null"]))
     kept = yaml.safe_load(export(Policy(derived, kv_blocks_given=False), "vllm").text)
     assert kept["gpu-memory-utilization"] == 0.92
+    assert "num-gpu-blocks-override" not in kept   # vLLM sizes the cache itself, as the simulation did
 
 
-@pytest.mark.parametrize("overrides,message", [
+def test_a_given_block_count_is_pinned_as_vllms_block_count_null_block_included():
+    # servetune's 8,192 blocks are vLLM's num_gpu_blocks: vLLM holds block 0 back (its null block), leaving
+    # 8,191 usable in both, so the override is 8,192, not 8,191 or 8,193.
+    keys = yaml.safe_load(export(_policy(), "vllm").text)
+    assert keys["num-gpu-blocks-override"] == 8192
+
+
+@pytest.mark.parametrize("overrides,fragments", [
+    # Refused as the config resolves, before any file is written.
     (("scheduler.max_num_seqs=512", "scheduler.max_num_batched_tokens=256"),
-     "vllm: max-num-batched-tokens 256 < max-num-seqs 512; vLLM requires max-num-batched-tokens ≥ max-num-seqs"),
+     ["examples/chat.yaml: scheduler.max_num_batched_tokens: 256", "max_num_seqs 512"]),
     (("scheduler.num_kv_blocks=100000",),
-     "scheduler.num_kv_blocks: got 100000, expected at most"),
+     ["scheduler.num_kv_blocks: got 100000, expected at most"]),
 ])
-def test_a_knob_outside_the_engines_range_is_refused(overrides, message):
+def test_a_knob_outside_the_engines_range_is_refused(overrides, fragments):
     with pytest.raises(UserError) as error:
         export(_policy(*overrides), "vllm")
-    assert message in str(error.value)
+    for fragment in fragments:
+        assert fragment in str(error.value)
+
+
+def test_a_vllm_file_whose_cache_cannot_hold_max_model_len_is_refused():
+    keys = {"max-num-seqs": 64, "max-num-batched-tokens": 2048, "enable-chunked-prefill": True, "block-size": 16,
+            "gpu-memory-utilization": 0.9, "max-model-len": 4096, "num-gpu-blocks-override": 256}
+    # 4,096 tokens need 4096 / 16 = 256 blocks; 256 leave 255 beside the null block, 257 leave 256.
+    with pytest.raises(UserError, match="max-model-len 4096 needs 256 KV blocks, but num-gpu-blocks-override 256 "
+                                        "leaves 255 usable"):
+        check_vllm(keys)
+    check_vllm({**keys, "num-gpu-blocks-override": 257})
 
 
 def test_tgi_refuses_a_prefill_budget_larger_than_the_kv_cache():
@@ -146,7 +174,7 @@ def test_export_from_a_study_through_the_command_line(tmp_path):
     study = run_study(config, "exp", storage, show_progress=False)
     parser = argparse.ArgumentParser()
     search_cli.register(parser.add_subparsers())
-    best = max(study.trials, key=lambda t: t.value)
+    best = max(study.get_trials(states=(TrialState.COMPLETE,)), key=lambda t: t.value)
     for engine in ("vllm", "servetune"):
         out = tmp_path / f"exp.{engine}.yaml"
         args = parser.parse_args(["export", "--study", "exp", "--storage", storage, "--engine", engine,
@@ -168,14 +196,40 @@ def test_export_from_a_study_through_the_command_line(tmp_path):
         missing.func(missing)
 
 
-def test_a_context_capped_by_the_budget_is_warned_about():
-    """Without chunked prefill vLLM needs max-model-len <= the budget; capping the deployed context must
-    not pass silently."""
-    capped = export(_policy("scheduler.enable_chunked_prefill=false", "scheduler.max_num_batched_tokens=4096"), "vllm")
-    assert yaml.safe_load(capped.text)["max-model-len"] == 4096
-    assert any("max-model-len" in w and "4096" in w for w in capped.warnings)
-    assert "# warning: vllm: max-model-len" in capped.text
-    assert not any("max-model-len" in w for w in export(_policy(), "vllm").warnings)
+def test_max_model_len_is_exported_as_resolved_and_an_unknown_one_is_warned_about(tmp_path):
+    own = export(_policy("scheduler.max_model_len=2048", "workload.max_model_len=3000"), "vllm")
+    assert yaml.safe_load(own.text)["max-model-len"] == 2048
+    assert not any("max-model-len" in w for w in own.warnings)
+    assert yaml.safe_load(export(_policy("workload.max_model_len=3000"), "vllm").text)["max-model-len"] == 3000
+    assert yaml.safe_load(export(_policy(), "vllm").text)["max-model-len"] == 4096   # Llama-2-7B's context
+    # A model whose config.json names no context length: the simulation took what chat.yaml's cache holds,
+    # (8192 - 1) x 16 = 131,056 tokens, and the file leaves the key to vLLM, saying so.
+    model = json.loads(Path("tests/fixtures/hf/llama-2-7b.json").read_text())
+    del model["max_position_embeddings"]
+    (tmp_path / "config.json").write_text(json.dumps(model))
+    unknown = export(_policy(f"model={tmp_path / 'config.json'}"), "vllm")
+    assert "max-model-len" not in yaml.safe_load(unknown.text)
+    assert any("max-model-len" in w and "131056" in w for w in unknown.warnings)
+    assert "# warning: vllm: max-model-len is left to vLLM" in unknown.text
+
+
+def test_async_scheduling_and_full_prompt_reservation_are_said_either_way():
+    keys = yaml.safe_load(export(_policy(), "vllm").text)
+    assert (keys["async-scheduling"], keys["scheduler-reserve-full-isl"]) == (True, True)   # vLLM 0.33's defaults
+    off = yaml.safe_load(export(_policy("scheduler.async_scheduling=false", "scheduler.reserve_full_prompt=false"),
+                                "vllm").text)
+    assert (off["async-scheduling"], off["scheduler-reserve-full-isl"]) == (False, False)
+    static = yaml.safe_load(export(_policy("scheduler.policy=static"), "vllm").text)
+    assert static["async-scheduling"] is False   # static batching was simulated synchronous
+
+
+def test_other_engines_are_warned_only_of_settings_away_from_their_defaults():
+    # At vLLM's scheduling defaults and the model's own context length (4,096) they lose nothing.
+    assert not [w for w in export(_policy(), "sglang").warnings
+                if "async_scheduling" in w or "reserve_full_prompt" in w or "max_model_len" in w]
+    shorter = export(_policy("scheduler.max_model_len=2048", "scheduler.async_scheduling=false"), "sglang")
+    assert "sglang cannot express scheduler.max_model_len=2048" in shorter.warnings
+    assert "sglang cannot express scheduler.async_scheduling=false" in shorter.warnings
 
 
 def test_queue_orders_and_prefix_caching_map_to_each_engine_or_are_warned():

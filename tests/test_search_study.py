@@ -1,21 +1,25 @@
-"""Studies: TPE against the exhaustive grid optimum, determinism, constraints, baselines and recorded metrics."""
+"""Studies: TPE against the exhaustive grid optimum, determinism, constraints, baselines, recorded metrics, trials
+vLLM would refuse, and the evaluator's seat cap."""
 from __future__ import annotations
 
 import dataclasses
+import io
 import itertools
 
 import optuna
 import pytest
 from optuna.trial import TrialState
+from rich.console import Console
 
 from search_configs import STUDY_KNOBS, study_config
 from servetune.config_loader import config_from_dict, load_config
 from servetune.errors import ConfigError, UserError
-from servetune.pipeline import simulate_config
+from servetune.pipeline import resolve, simulate_config
 from servetune.search.baselines import baselines, vllm_default_knobs
-from servetune.search.evaluate import BatchEvaluator, use_persistent_compilation_cache
+from servetune.search.evaluate import BatchEvaluator, concurrency_bound, use_persistent_compilation_cache
 from servetune.search.space import SearchSpace, apply_knobs
-from servetune.search.study import best_trials, is_feasible, open_study, run_study
+from servetune.search import study as study_module
+from servetune.search.study import REFUSAL_ATTR, best_trials, chosen_trial, is_feasible, open_study, run_study
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -25,18 +29,24 @@ def compilation_cache():
     use_persistent_compilation_cache()
 
 
+# study.yaml leaves max_model_len to its model's context length: Llama-2-7B's config.json allows 4,096 tokens.
+STUDY_MAX_MODEL_LEN = 4096
+
+
 def _grid_goodputs(config) -> dict[tuple, float]:
-    """Every point of the study's (all-discrete) space, simulated."""
+    """Every point of the study's (all-discrete) space that vLLM would start with, simulated: with chunked
+    prefill off vLLM needs a token budget of max_model_len (4,096), above every budget searched."""
     grid = SearchSpace.from_config(config).grid()
     points = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
-    results = BatchEvaluator(8).evaluate([apply_knobs(config, point) for point in points])
-    return {tuple(point.values()): metrics["request_goodput"] for point, (_, metrics) in zip(points, results)}
+    startable = [point for point in points if point["scheduler.enable_chunked_prefill"]]
+    results = BatchEvaluator(8).evaluate([apply_knobs(config, point) for point in startable])
+    return {tuple(point.values()): metrics["request_goodput"] for point, (_, metrics) in zip(startable, results)}
 
 
 def test_tpe_reaches_98_percent_of_the_grid_optimum_within_60_trials(tmp_path):
     config = study_config(trials=60, sampler="tpe", seed=0, batch_size=8)
     goodputs = _grid_goodputs(config)
-    assert len(goodputs) == 8 * 4 * 2 * 3   # max_num_seqs 9..16 is an int range of 8 steps
+    assert len(goodputs) == 8 * 4 * 3   # max_num_seqs 9..16 is an int range of 8 steps; chunked prefill on only
     optimum = max(goodputs.values())
     near = sum(g >= 0.98 * optimum for g in goodputs.values())
     assert near <= 0.05 * len(goodputs), "the landscape is too flat for the test to mean anything"
@@ -47,6 +57,7 @@ def test_tpe_reaches_98_percent_of_the_grid_optimum_within_60_trials(tmp_path):
     best = max(t.value for t in complete)
     assert best >= 0.98 * optimum
     assert best_trials(study)[0].value == best
+    assert all(t.params["scheduler.enable_chunked_prefill"] for t in complete)
 
 
 def test_same_seed_same_study_and_another_seed_another(tmp_path):
@@ -63,7 +74,7 @@ def test_same_seed_same_study_and_another_seed_another(tmp_path):
 def test_trials_carry_every_metric_the_constraint_and_the_resolved_knobs(tmp_path):
     config = study_config(trials=4, sampler="random", batch_size=4)
     study = run_study(config, "attrs", str(tmp_path / "s.db"), show_progress=False)
-    for trial in study.trials:
+    for trial in study.get_trials(states=(TrialState.COMPLETE,)):
         knobs = {key: trial.params[key] for key in STUDY_KNOBS}
         single = simulate_config(apply_knobs(config, knobs)).metrics
         for name, value in single.items():
@@ -211,3 +222,67 @@ def test_gpus_needed_is_replicas_for_the_offered_load_times_tp(goodput, tp, gpus
     # 100 requests offered over 10 s: 10 req/s; each replica of `tp` GPUs delivers `goodput`.
     metrics = {"arrived": 100, "duration_s": 10.0, "request_goodput": goodput}
     assert add_gpus_needed(metrics, tp)["gpus_needed"] == gpus
+
+
+def _refused_study(tmp_path, knobs: dict, **search):
+    """A study of ``knobs`` whose printed lines are kept: (study, what it printed)."""
+    config = study_config(knobs=knobs, **search)
+    out = io.StringIO()
+    study = run_study(config, "refused", str(tmp_path / "s.db"), show_progress=False,
+                      console=Console(file=out, width=400))
+    return study, out.getvalue()
+
+
+def test_a_trial_vllm_would_refuse_is_pruned_unrun_with_its_reason_and_never_chosen(tmp_path):
+    # Four points: chunked prefill off needs a budget of max_model_len (4,096), which neither budget is.
+    knobs = {"scheduler.max_num_batched_tokens": {"choices": [512, 1024]},
+             "scheduler.enable_chunked_prefill": {"choices": [True, False]}}
+    study, printed = _refused_study(tmp_path, knobs, sampler="grid", trials=10, batch_size=4)
+    pruned = study.get_trials(states=(TrialState.PRUNED,))
+    complete = study.get_trials(states=(TrialState.COMPLETE,))
+    assert len(study.trials) == 4 and len(pruned) == 2 and len(complete) == 2   # each point tried once
+    for trial in pruned:
+        budget = trial.params["scheduler.max_num_batched_tokens"]
+        assert trial.params["scheduler.enable_chunked_prefill"] is False
+        reason = trial.user_attrs[REFUSAL_ATTR]
+        assert reason.startswith(f"scheduler.max_num_batched_tokens: {budget} is below max_model_len "
+                                 f"{STUDY_MAX_MODEL_LEN}")
+        assert "request_goodput" not in trial.user_attrs and trial.values is None   # never simulated
+        with pytest.raises(UserError, match=f"--trial {trial.number}: expected a COMPLETE trial .* found PRUNED "
+                                            r"\(vLLM would refuse"):
+            chosen_trial(study, trial.number)
+    assert all(t.params["scheduler.enable_chunked_prefill"] for t in best_trials(study))
+    assert chosen_trial(study, None).state == TrialState.COMPLETE
+    first = min(pruned, key=lambda t: t.number)
+    assert (f"2 trials vLLM would refuse to start with, pruned unrun; the first, trial {first.number}: "
+            f"{first.user_attrs[REFUSAL_ATTR]}") in printed
+
+
+def test_a_space_vllm_refuses_throughout_stops_the_study(tmp_path, monkeypatch):
+    monkeypatch.setattr(study_module, "MAX_REFUSED_IN_A_ROW", 6)
+    knobs = {"scheduler.max_num_batched_tokens": {"low": 256, "high": 2048},
+             "scheduler.enable_chunked_prefill": {"choices": [False]}}
+    study, printed = _refused_study(tmp_path, knobs, sampler="random", trials=5, batch_size=4)
+    # Two batches of 4: 4 refused in a row is under 6, 8 is not.
+    assert [t.state for t in study.trials] == [TrialState.PRUNED] * 8
+    assert "the last 8 trials all had knobs vLLM would refuse to start with" in printed
+    assert "stopping with 0 of 5 COMPLETE trials" in printed
+
+
+def test_the_evaluators_lowered_seat_cap_changes_no_run():
+    """The evaluator runs max_num_seqs lowered to what can ever run at once. vLLM's admission checks that a
+    whole prompt fits but allocates only the chunk it schedules, so with a 4-token prefill cap many 80-token
+    prompts run at once on their first chunks: more than 40 blocks // 20 per prompt = 2."""
+    data = {"workload": {"arrivals": {"kind": "poisson", "rate": 200.0}, "num_requests": 60, "seed": 0,
+                         "lengths": {"kind": "fixed", "prompt_tokens": 80, "output_tokens": 30}},
+            "scheduler": {"max_num_seqs": 32, "max_num_batched_tokens": 32, "long_prefill_token_threshold": 4,
+                          "block_size": 4, "num_kv_blocks": 40, "max_model_len": 156}}
+    config = config_from_dict(data)
+    # 40 blocks leave 39 usable; the last admitted of n running found at most 39 - (n - 1) free and needed
+    # room for its whole prompt, 80 / 4 = 20 blocks: n <= 20.
+    assert concurrency_bound(resolve(config), BatchEvaluator().workload(config)) == 20
+    single = simulate_config(config).metrics
+    assert single["mean_batch_size"] > 2
+    [(_, metrics)] = BatchEvaluator(1).evaluate([config])
+    metrics.pop("truncated")
+    assert metrics == single

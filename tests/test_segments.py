@@ -20,7 +20,7 @@ from servetune.config_loader import config_from_dict
 from servetune.cost_models.linear import step_time_s
 from servetune.envs.metrics import compute_metrics, readable_window_s, segment_metrics
 from servetune.envs.outcome import (
-    COMPLETED, NOT_ARRIVED, REJECT_KV_CAPACITY, REJECT_NONE, REJECTED, UNFINISHED, EngineTotals, RequestOutcomes,
+    COMPLETED, NOT_ARRIVED, REJECT_MAX_MODEL_LEN, REJECT_NONE, REJECTED, UNFINISHED, EngineTotals, RequestOutcomes,
     ITL_HIST_BINS, SimulationOutcome,
 )
 from servetune.envs.reference import simulate_reference
@@ -59,7 +59,7 @@ def _hand_built() -> tuple[Workload, SimulationOutcome]:
     requests = RequestOutcomes(
         status=np.array(STATUS),
         arrival_s=np.where(np.array(STATUS) != NOT_ARRIVED, workload.arrival_s, nan),
-        reject_reason=np.array([REJECT_NONE] * 3 + [REJECT_KV_CAPACITY] + [REJECT_NONE] * 3),
+        reject_reason=np.array([REJECT_NONE] * 3 + [REJECT_MAX_MODEL_LEN] + [REJECT_NONE] * 3),
         first_token_s=np.array([0.05, 1.08, 5.2, nan, 13.03, 25.1, nan]),
         finish_s=np.array([0.15, 1.12, 5.2, nan, 13.05, nan, nan]),
         generated_tokens=np.array([3, 2, 1, 0, 2, 2, 0]),
