@@ -3,7 +3,9 @@
     python benchmarks/bench_simulator.py            # prints a Markdown report
 
 Measures, after compilation (compile time reported apart):
-  1. one config (examples/azure_conv.yaml) -- simulated requests and engine steps per wall-second;
+  1. one config (examples/azure_conv.yaml) -- simulated requests and engine steps per wall-second; and the
+     same trace overloaded (steps 2x dearer, a KV cache of 4,096 blocks: the queue holds hundreds, p99
+     TTFT reaches seconds, requests preempt each other), as a ratio to it;
   2. 64 configs in one simulate_many call -- config-requests per wall-second;
   3. the same single config with the roofline cost model instead of the linear one (their ratio);
   4. the whole CLI run end to end (start-up and compilation included);
@@ -26,7 +28,11 @@ import numpy as np
 from servetune.config_loader import load_config
 from servetune.cost_models.factory import build_cost_model
 from servetune.envs import engine
-from servetune.envs.simulator import _slot_schedule, device_trace, engine_params, iteration_guard, simulate_many
+from servetune.envs.metrics import compute_metrics
+from servetune.envs.simulator import (
+    _slot_schedule, device_trace, engine_params, iteration_guard, simulate_many, simulate_workload,
+)
+from servetune.envs.slos import per_request_slos
 from servetune.envs.workload import build_workload
 from servetune.pipeline import resolve
 
@@ -56,6 +62,20 @@ def _timed_single(workload, config, slot_sizes=None):
     return compile_s, sim_s, int(state.iterations), int(state.steps), num_slots
 
 
+# The overloaded variant: the same trace with dearer steps and a small cache (see the docstring).
+OVERLOAD_COST_FACTOR = 2.0
+OVERLOAD_KV_BLOCKS = 4096
+
+
+def _overloaded(config):
+    cost = config.cost_model
+    cost = dataclasses.replace(cost, base_s=cost.base_s * OVERLOAD_COST_FACTOR,
+                               per_token_s=cost.per_token_s * OVERLOAD_COST_FACTOR,
+                               per_context_token_s=cost.per_context_token_s * OVERLOAD_COST_FACTOR)
+    return dataclasses.replace(config, cost_model=cost,
+                               scheduler=dataclasses.replace(config.scheduler, num_kv_blocks=OVERLOAD_KV_BLOCKS))
+
+
 def _many_configs(base, count: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     return [dataclasses.replace(base, max_num_seqs=int(rng.choice([32, 64, 128, 256])),
@@ -73,6 +93,11 @@ def main() -> None:
     n = workload.num_requests
 
     compile_s, sim_s, iterations, steps, slots = _timed_single(workload, config)
+    overloaded = _overloaded(config)
+    o_compile_s, o_sim_s, o_iterations, o_steps, o_slots = _timed_single(workload, overloaded)
+    cost_fn, cost_params = build_cost_model(overloaded)
+    o_metrics = compute_metrics(workload, simulate_workload(workload, overloaded.scheduler, cost_fn, cost_params),
+                                per_request_slos(overloaded, workload), overloaded.scheduler.num_kv_blocks)
     roofline = dataclasses.replace(config, cost_model=dataclasses.replace(config.cost_model, kind="roofline"))
     r_compile_s, r_sim_s, _, r_steps, r_slots = _timed_single(workload, roofline)
     # The cost model's own price: both models at the same slot count (the roofline's slower steps raise
@@ -102,6 +127,12 @@ def main() -> None:
     print(f"| one config: slot table | {slots} slots (max_num_seqs {config.scheduler.max_num_seqs}) |")
     print(f"| one config: loop iterations | {iterations:,} ({iterations / n:.2f} per request, "
           f"{steps / iterations:.1f} engine steps each), {sim_s / iterations * 1e6:.0f} µs per iteration |")
+    print(f"| overloaded (steps ×{OVERLOAD_COST_FACTOR}, {OVERLOAD_KV_BLOCKS:,} KV blocks): simulate | "
+          f"{o_sim_s:.2f} s → {n / o_sim_s:,.0f} requests/s: **{o_sim_s / sim_s:.2f}× the shipped config** "
+          f"({o_iterations:,} iterations, {o_steps:,} steps, {o_slots} slots, compile {o_compile_s:.2f} s) |")
+    print(f"| overloaded: what it simulates | p99 TTFT {o_metrics['p99_ttft_ms'] / 1e3:,.1f} s, "
+          f"{o_metrics['preemptions']:,} preemptions, mean {o_metrics['mean_requests_in_system']:,.0f} requests "
+          f"in the system, KV {o_metrics['mean_kv_utilization']:.0%} full |")
     print(f"| {len(schedulers)} configs, one simulate_many call | {many_s:.1f} s → "
           f"**{len(schedulers) * n / many_s:,.0f} config·requests/s** (first call with compile {first_many:.1f} s) |")
     print(f"| one config (roofline): simulate | {r_sim_s:.2f} s (compile {r_compile_s:.2f} s, {r_steps:,} steps, "

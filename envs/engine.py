@@ -935,7 +935,7 @@ def _seats_closed(params, num_running):
             | (params.max_num_batched_tokens <= num_running))
 
 
-def _advance(trace, params, state, slots, tokens, cost_fn, num_slots):
+def _advance(trace, params, state, slots, tokens, cost_fn, num_slots, front_blocks=None):
     """Run the scheduled step, then the steps that follow it before any event.
 
     After the scheduled step (step 0) the next steps repeat its shape while every running request fits
@@ -972,7 +972,9 @@ def _advance(trace, params, state, slots, tokens, cost_fn, num_slots):
     # its histogram and request-table writes are kept whichever outcome the iteration chooses.
     continues = jnp.any(scheduled) & (~has_prefill | prefill_repeats) & (num_running <= budget)
     is_prefill = prefill_repeats & (pos == last)   # the request prefilling through the run, if any
-    decoder = running & ~is_prefill
+    # Requests that left as this step was scheduled (async) take no part: dropped at the end.
+    left_before = running & slots.leaving
+    decoder = running & ~is_prefill & ~left_before
     j = jnp.arange(LOOKAHEAD_STEPS, dtype=i32)
     zero = j == 0
     left = slots.output - generated0                       # tokens to emit after step 0 (0: it finished there)
@@ -1031,13 +1033,19 @@ def _advance(trace, params, state, slots, tokens, cost_fn, num_slots):
     # same rejections. A closed-loop call must be processed at the first boundary after it regardless (a
     # rejection releases the session's next call from then), and a completion there releases a call this
     # run does not know of; a scored queue's tenant counters read every boundary with an open seat.
-    arrived = starts >= to_arrival
-    seat = ~_seats_closed(params, members)
+    # Async: the decision before step j sees arrivals up to step j - 1's start, and seats what step j - 1 completed.
+    arrived = jnp.where(params.pipelined, jnp.concatenate([starts[:1], starts[:-1]]), starts) >= to_arrival
+    seat = ~_seats_closed(params, seated + in_prefill)
     open_seat = seat & (decodes + jnp.where(in_prefill, chunk, 0) < budget)   # and budget left to admit with
     # An arrival that finds a lone prefill makes the threshold bind from the next step; one that meets a
     # queue limit is judged by the unfinished requests of its own boundary, which completions change.
     limited = params.max_num_queued_reqs < NO_LIMIT
-    admits = (open_seat & ((state.queue_len > 0) | arrived)) | (arrived & ((lone & prefill_repeats) | limited))
+    # An fcfs queue whose front needs more blocks (`front_blocks`, watermark included) than can be free admits
+    # nobody, whatever arrives behind it: the requests in step j hold at least `held[j]`.
+    front_waits = False if front_blocks is None else (
+        (state.queue_len > 0) & (params.usable_kv_blocks - held < front_blocks))
+    admits = ((open_seat & ((state.queue_len > 0) | arrived) & ~front_waits)
+              | (arrived & ((lone & prefill_repeats) | limited)))
     if trace.think is not None:
         admits = admits | arrived | (members < num_running)
     elif slots.rank is not None:
@@ -1094,7 +1102,7 @@ def _advance(trace, params, state, slots, tokens, cost_fn, num_slots):
     generated = generated0 + grow + (is_prefill & prefill_emits)
     blocks0 = slots.blocks
     blocks = jnp.where((grow > 0) | is_prefill, jnp.maximum(blocks0, _ceil_div(computed, params.block_size)), blocks0)
-    finished = running & (generated >= slots.output)
+    finished = running & ~left_before & (generated >= slots.output)
     gap = jnp.where(is_prefill, jnp.where(prefill_emits, 0.0, sample0), jnp.where(grow > 0, 0.0, gap0))
     slots = replace(slots,
         computed=computed, generated=generated, blocks=blocks,
@@ -1141,17 +1149,15 @@ def _advance(trace, params, state, slots, tokens, cost_fn, num_slots):
     block_seconds = blocks.astype(f32) * ends[through] - jnp.where(new_blocks > 0, gained_at, 0.0)
     prefill_block_seconds = jnp.sum(jnp.where(run, prefill_blocks.astype(f32) * durations, 0.0))
     block_seconds = jnp.where(is_prefill, prefill_block_seconds, block_seconds)
-    kv_seconds = jnp.sum(jnp.where(running, block_seconds, 0.0))
-    in_step = jnp.where(zero, num_running, members)
+    kv_seconds = jnp.sum(jnp.where(running & ~left_before, block_seconds, 0.0))
+    in_step = jnp.where(zero, num_running - jnp.sum(left_before, dtype=i32), members)
     in_system = (state.queue_len.astype(f32) * total
                  + jnp.sum(jnp.where(run, in_step.astype(f32) * durations, 0.0)))
-    freed = jnp.sum(jnp.where(finished, blocks, 0))
-    free = params.usable_kv_blocks - jnp.sum(jnp.where(running, blocks, 0)) + freed
 
     # Compact: drop finished requests, keep admission order. Async: those the last step completed stay seated
     # for the next boundary's decision, which was taken as that step started.
     leaving = finished & params.pipelined & (through == extra)
-    keep = running & (~finished | leaving)
+    keep = running & ~left_before & (~finished | leaving)
     if trace.think is not None:
         state = _release_next_calls(trace, state, slots.req, finished, finished, (finish_hi, finish_lo))
     slots, _ = _kept_slots(replace(slots, leaving=leaving), keep, num_slots)
@@ -1159,7 +1165,7 @@ def _advance(trace, params, state, slots, tokens, cost_fn, num_slots):
     return replace(state,
         clock_hi=end_hi, clock_lo=end_lo,
         slots=slots, num_running=jnp.sum(keep, dtype=i32),
-        free_blocks=free - jnp.sum(jnp.where(leaving, blocks, 0)), requests=req,
+        free_blocks=params.usable_kv_blocks - jnp.sum(jnp.where(keep, blocks, 0)), requests=req,
         pipelined_now=params.pipelined, cutoff_hi=cutoff_hi, cutoff_lo=cutoff_lo,
         steps=state.steps + k,
         scheduled_seqs=state.scheduled_seqs + jnp.sum(scheduled, dtype=i32) + jnp.sum(jnp.where(later_steps, members, 0)),
@@ -1254,16 +1260,25 @@ def _iteration(trace, params, state, cost_fn, num_slots, scored: bool):
     else:
         engine = replace(engine, queue=_write_queue(trace, state.queue, arrived, slots.req,
                                                     preempted & ~slots.leaving, engine.queue_head - admitted))
-    # The decision taken, the requests that left as it was being taken give up their seats and blocks.
-    leaving = slots.leaving & (jnp.arange(num_slots) < end + admitted)
-    free = free + jnp.sum(jnp.where(leaving, slots.blocks, 0))
-    slots, tokens, seated = _kept(slots, tokens, (jnp.arange(num_slots) < end + admitted) & ~leaving)
-    engine = replace(engine, slots=slots, num_running=seated, free_blocks=free)
+    # The requests that left as the decision was being taken give up their seats and blocks in `_advance`'s
+    # compaction.
+    engine = replace(engine, slots=slots, num_running=end + admitted, free_blocks=free)
 
     busy = jnp.any(tokens > 0)
-    stepped = _advance(trace, params, engine, slots, tokens, cost_fn, num_slots)
-    # A decision taken a step early that schedules nothing is taken again now, on what this boundary sees.
-    retaken = replace(engine, pipelined_now=jnp.asarray(False))
+    front_blocks = None
+    if not scored:
+        # What the queue's front will need to be admitted (the waiting pass's test).
+        at = jnp.minimum(admitted, num_slots - 1)
+        length = front.prompt[at] + front.generated[at]
+        chunk = jnp.where(params.reserve_full_prompt, length, front.computed[at] + 1)
+        # (After a preemption the victims are the front: claim nothing.)
+        front_blocks = jnp.where(front_valid[at] & (admitted < num_slots) & ~jnp.any(preempted),
+                                 _ceil_div(chunk, params.block_size) + params.watermark_blocks, 0)
+    stepped = _advance(trace, params, engine, slots, tokens, cost_fn, num_slots, front_blocks)
+    # A decision taken a step early that schedules nothing is taken again now, on what this boundary sees
+    # (with nothing scheduled `_advance` only drops the requests that left).
+    retaken = replace(engine, slots=stepped.slots, num_running=stepped.num_running, free_blocks=stepped.free_blocks,
+                      pipelined_now=jnp.asarray(False))
     idled = _idle(trace, params, state, timeout)
     new = _choose(active, _choose(busy, stepped, _choose(state.pipelined_now, retaken, idled)), state)
     # The slot count is a capacity bound, not a knob: if it ever binds, the caller reruns with more.
