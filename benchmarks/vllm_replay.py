@@ -27,22 +27,16 @@ def workload_of(case: dict) -> Workload:
                     output_tokens=rows[:, 2].astype(np.int64), priority=rows[:, 3].astype(np.int64))
 
 
+# Knobs servetune names as vLLM does; the case's num_gpu_blocks and policy are num_kv_blocks and queue_order.
+SAME_NAMES = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "long_prefill_token_threshold",
+              "block_size", "watermark", "max_num_queued_reqs", "max_model_len", "async_scheduling",
+              "reserve_full_prompt")
+
+
 def scheduler_of(case: dict) -> SchedulerConfig:
     knobs = case["knobs"]
-    return SchedulerConfig(
-        max_num_seqs=knobs["max_num_seqs"],
-        max_num_batched_tokens=knobs["max_num_batched_tokens"],
-        enable_chunked_prefill=knobs["enable_chunked_prefill"],
-        long_prefill_token_threshold=knobs["long_prefill_token_threshold"],
-        block_size=knobs["block_size"],
-        num_kv_blocks=knobs["num_gpu_blocks"],
-        watermark=knobs["watermark"],
-        max_num_queued_reqs=knobs["max_num_queued_reqs"],
-        max_model_len=knobs["max_model_len"],
-        async_scheduling=knobs["async_scheduling"],
-        reserve_full_prompt=knobs["reserve_full_prompt"],
-        queue_order=knobs["policy"],
-    )
+    return SchedulerConfig(**{name: knobs[name] for name in SAME_NAMES}, num_kv_blocks=knobs["num_gpu_blocks"],
+                           queue_order=knobs["policy"])
 
 
 def cost_of(case: dict) -> LinearCostParams:
