@@ -40,7 +40,7 @@ from servetune.search.provenance import config_data, config_from_data, config_ha
 from servetune.search.scenarios import TrialResult, Variant, evaluate_knobs, variants
 from servetune.search.space import SearchSpace, apply_knobs
 from servetune.search.storage import DEFAULT_STORAGE, open_storage, study_names
-from servetune.search.workers import RERUN_ATTR, WORKER_ATTR, recover_stale_trials, this_worker
+from servetune.search.workers import RERUN_ATTR, ask_claimed, recover_stale_trials, this_worker
 
 SLO_CONSTRAINT = "slo_attainment"
 SURPLUS_ATTR = "surplus"
@@ -126,8 +126,6 @@ def run_study(config: Config, name: str, storage: str | None, show_progress: boo
     objectives = parse_objectives(search.objectives, "objectives")
     study = open_study(config, name, storage, build_sampler(search, space, len(objectives)), another_config_hint)
     console = console or Console(stderr=True)
-    for number in recover_stale_trials(study):
-        console.print(f"trial {number} was left running by a stopped worker: marked FAIL and queued again")
     if search.baselines and not study.get_trials(deepcopy=False):
         chosen, skipped = baselines(config, space)
         for baseline_name, values in chosen:
@@ -151,6 +149,9 @@ def _optimize(study: optuna.Study, config: Config, space: SearchSpace, objective
     with Progress(*columns, console=console, disable=not show_progress) as progress:
         task = progress.add_task(f"study {study.study_name}", total=target, best="")
         while True:
+            # Every batch, not only at start: a worker beside this one on the host may have been killed since.
+            for number in recover_stale_trials(study):
+                console.print(f"trial {number} was left running by a stopped worker: marked FAIL and queued again")
             trials = study.get_trials(deepcopy=False)
             complete = sum(t.state == TrialState.COMPLETE for t in trials)
             running = sum(t.state == TrialState.RUNNING for t in trials)
@@ -170,9 +171,7 @@ def _optimize(study: optuna.Study, config: Config, space: SearchSpace, objective
                 if missing <= 0:
                     console.print(f"every point of the grid ({space.grid_size()}) has been tried: {complete} trials")
                     return
-            asked = [study.ask() for _ in range(min(config.search.batch_size, missing))]
-            for trial in asked:
-                trial.set_user_attr(WORKER_ATTR, worker)
+            asked = [ask_claimed(study, worker) for _ in range(min(config.search.batch_size, missing))]
             kept = _drop_surplus(study, asked, target)
             if not kept:
                 continue

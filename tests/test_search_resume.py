@@ -16,7 +16,7 @@ from optuna.trial import TrialState
 from search_configs import study_data, worker_command, write_config
 from servetune.search.evaluate import use_persistent_compilation_cache
 from servetune.search.storage import open_storage
-from servetune.search.workers import RERUN_ATTR
+from servetune.search.workers import RERUN_ATTR, WORKER_ATTR, ask_claimed
 
 TRIALS = 40
 KILL_AFTER_COMPLETE = 6
@@ -35,6 +35,11 @@ def _trials(storage: str, study: str) -> list[optuna.trial.FrozenTrial]:
         return []
 
 
+def _at_kill_point(trials: list[optuna.trial.FrozenTrial]) -> bool:
+    states = Counter(t.state for t in trials)
+    return states[TrialState.COMPLETE] >= KILL_AFTER_COMPLETE and states[TrialState.RUNNING] > 0
+
+
 def _kill_mid_run(command: list[str], storage: str, study: str) -> list[optuna.trial.FrozenTrial]:
     """Start the worker, SIGKILL it once it has completed some trials while others are running, and return
     the study's trials as the kill left them."""
@@ -43,12 +48,15 @@ def _kill_mid_run(command: list[str], storage: str, study: str) -> list[optuna.t
     try:
         while time.monotonic() < deadline:
             assert process.poll() is None, f"the worker ended before it could be killed: {process.stderr.read()}"
-            trials = _trials(storage, study)
-            states = Counter(t.state for t in trials)
-            if states[TrialState.COMPLETE] >= KILL_AFTER_COMPLETE and states[TrialState.RUNNING]:
-                os.kill(process.pid, signal.SIGKILL)
-                process.wait()
-                return _trials(storage, study)
+            if _at_kill_point(_trials(storage, study)):
+                # Frozen, the worker cannot finish its batch between the look and the kill.
+                os.kill(process.pid, signal.SIGSTOP)
+                frozen = _trials(storage, study)
+                if _at_kill_point(frozen):
+                    os.kill(process.pid, signal.SIGKILL)
+                    process.wait()
+                    return frozen
+                os.kill(process.pid, signal.SIGCONT)
             time.sleep(0.02)
         raise AssertionError("the worker did not reach the kill point in time")
     finally:
@@ -89,3 +97,30 @@ def test_a_killed_study_resumes_with_no_trial_lost_or_duplicated(tmp_path, stora
         if RERUN_ATTR in t.user_attrs:
             assert after[t.user_attrs[RERUN_ATTR]].params.items() <= t.params.items()
     assert len({t.number for t in complete}) == TRIALS
+
+
+class _RecordsOwnerWhileSampling(optuna.samplers.RandomSampler):
+    """Looks at each trial in storage while the sampler is still working on it: a worker killed then must
+    already be named there, or the trial is RUNNING with no owner to recover it from."""
+
+    def __init__(self):
+        super().__init__(seed=0)
+        self.owners_seen = []
+
+    def before_trial(self, study, trial):
+        stored = study._storage.get_trial(trial._trial_id)
+        self.owners_seen.append((stored.state, stored.user_attrs.get(WORKER_ATTR)))
+        super().before_trial(study, trial)
+
+
+@pytest.mark.parametrize("storage_name", ["study.db", "study.journal"])
+def test_a_trial_names_its_worker_before_the_sampler_works_on_it(tmp_path, storage_name):
+    sampler = _RecordsOwnerWhileSampling()
+    study = optuna.create_study(study_name="claims", storage=open_storage(str(tmp_path / storage_name)),
+                                sampler=sampler)
+    study.enqueue_trial({"x": 0.5}, user_attrs={RERUN_ATTR: 7})
+    first, second = ask_claimed(study, "host/1/a"), ask_claimed(study, "host/1/a")
+    assert [first.params, first.user_attrs[RERUN_ATTR]] == [{}, 7] and first.suggest_float("x", 0, 1) == 0.5
+    assert sampler.owners_seen == [(TrialState.RUNNING, "host/1/a")] * 2
+    assert {t.number: t.user_attrs[WORKER_ATTR] for t in study.get_trials()} == {0: "host/1/a", 1: "host/1/a"}
+    assert second.number == 1 and second.suggest_float("x", 0, 1) != 0.5
