@@ -4,8 +4,8 @@ The jitted step keeps no per-step history, so the timeline replays the interval 
 before it, one engine loop iteration at a time (the same ``run_from``, capped at one iteration per call, so
 the replay is the step itself). Each row is a seat of the running batch in admission order, as the engine
 keeps it; each cell is coloured by what that seat did: a prefill chunk, a decode, or nothing (idle). One loop
-iteration can cover several engine steps (a scheduled step and the all-decode steps after it, README "How
-the engine is built"); they are drawn with equal widths, the first with the kind each seat had in the
+iteration can cover several engine steps (a scheduled step and the all-decode steps after it, docs/engine.md);
+they are drawn with equal widths, the first with the kind each seat had in the
 scheduled step and the rest as decodes. Empty seats are the idle ones: static batching leaves them empty
 until the whole batch ends, continuous batching refills them at once. The replay costs about a millisecond
 per loop iteration (a ServeTune episode's timeline replays the whole episode).

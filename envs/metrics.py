@@ -1,6 +1,6 @@
 """From a simulation's outcome to the numbers people compare: `vllm bench serve`'s keys, plus servetune's.
 
-Definitions (see README "Metrics"): TTFT and E2EL from arrival; TPOT per completed request over its
+Definitions (docs/outputs.md, "Metric definitions"): TTFT and E2EL from arrival; TPOT per completed request over its
 output tokens minus one; ITL pooled over every inter-token gap. Latencies are in milliseconds as in vLLM's
 JSON. Percentiles use NumPy's default (linear) method, as vLLM does. A statistic with no data is None
 (JSON null), never 0. Pooled ITL percentiles are read from the engine's log-spaced histogram (exact to

@@ -1,6 +1,6 @@
 """Prefix caching: how many prompt tokens of each request are already in the KV cache when it arrives.
 
-The model (README, "Prefix caching"): prompts are cut into units of ``hash_block_tokens`` tokens, each with
+The model (docs/queue-orders.md, "Prefix caching"): prompts are cut into units of ``hash_block_tokens`` tokens, each with
 a hash id that stands for the whole prefix up to it (Mooncake's ``hash_ids``; generated shared prefixes get
 ids per group). The cache keeps units in least-recently-used order inside the KV capacity:
 ``num_kv_blocks * block_size`` tokens, so ``floor(that / hash_block_tokens)`` units. Requests look up and

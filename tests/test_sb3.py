@@ -67,7 +67,7 @@ def check_episode(info: dict) -> None:
     assert metrics["arrived"] > 0
     episode = info["episode"]  # Monitor's summary
     assert 1 <= episode["l"] <= EPISODE_STEPS
-    # README: the return is good - miss_penalty * (completed - good + rejected), miss_penalty 1.
+    # docs/environments.md: the return is good - miss_penalty * (completed - good + rejected), miss_penalty 1.
     score = metrics["good"] - (metrics["completed"] - metrics["good"] + metrics["rejected"])
     assert episode["r"] == pytest.approx(score, abs=1e-3), (episode, metrics)
 

@@ -1,4 +1,4 @@
-"""Hand-computed timelines: small workloads whose every event was worked out on paper from README.md.
+"""Hand-computed timelines: small workloads whose every event was worked out on paper from docs/engine-semantics.md.
 
 Each expected number below comes from the arithmetic in its comment, never from a simulator's output.
 Unless a test says otherwise the step time is the linear model with base 1 s and 0.01 s per token, so
