@@ -43,8 +43,10 @@ import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
+from servetune.envs.double_float import df_add, df_le, df_sub
 from servetune.envs.outcome import (
-    ITL_HIST_BINS, ITL_HIST_MIN_S, ITL_LOG_BIN_WIDTH, REJECT_MAX_MODEL_LEN, REJECT_QUEUE_FULL, REJECT_TENANT_RATE,
+    COMPLETED, ITL_HIST_BINS, ITL_HIST_MIN_S, ITL_LOG_BIN_WIDTH, NOT_ARRIVED, REJECT_MAX_MODEL_LEN, REJECT_QUEUE_FULL,
+    REJECT_TENANT_RATE, REJECTED, UNFINISHED,
 )
 from servetune.envs.queue_order import DECODE_TOKEN_WEIGHT, FEATURES, PREFILL_TOKEN_WEIGHT
 from servetune.parallel import across_cores, use_all_cores
@@ -60,8 +62,6 @@ ARRIVALS_PER_ITERATION = 16  # arrivals processed per loop iteration (more just 
 NO_LIMIT = 2**30
 DEFICIT = FEATURES.index("deficit")
 
-# Request-table status while simulating (envs/outcome.py maps these to the reported statuses).
-PENDING, IN_SYSTEM, DONE, REJECTED = 0, 1, 2, 3
 
 f32, i32 = jnp.float32, jnp.int32
 
@@ -204,6 +204,96 @@ class EngineState:
 
 
 # ---------------------------------------------------------------------------------------------
+# One loop iteration (docs/engine-semantics.md names the steps)
+# ---------------------------------------------------------------------------------------------
+def _iteration(trace, params, state, cost_fn, num_slots, scored: bool):
+    """One turn of the loop: the decision at a step boundary (``state``), as vLLM's ``Scheduler.schedule()``
+    takes it (``decided``), then the steps it launches, to the next boundary (``after``). ``scored``: the
+    waiting requests are a pool ranked by score (every order but fcfs) rather than a ring in arrival order."""
+    if scored:
+        # Room for this iteration's arrivals and preemption victims, before anything reads the pool.
+        state = _make_room(state, ARRIVALS_PER_ITERATION + num_slots)
+    # -- Arrival: the API server's refusals, then the back of the waiting queue ----------------------
+    state, more_due, arrived = _process_arrivals(trace, params, state, scored)
+    past_horizon = df_le(params.horizon_hi, params.horizon_lo, state.clock_hi, state.clock_lo)
+    live = _live(state, params)
+    active = ~more_due & ~past_horizon & live
+
+    if scored:
+        # Only where a request could be admitted: such boundaries always end a macro-step, so the lift
+        # sees the same counters as it would one engine step at a time.
+        lifts = active & ~_seats_closed(params, state.num_running)
+        lifted = _lift_rejoining_tenants(state)
+        state = replace(state,
+            tenant_tokens=jnp.where(lifts, lifted.tenant_tokens, state.tenant_tokens),
+            tenant_active=jnp.where(lifts, lifted.tenant_active, state.tenant_active))
+        front, front_valid, front_at = _pool_front(trace, params, state, num_slots)
+    else:
+        front, front_valid = _queue_front(trace, params, state, arrived, num_slots)
+    # -- 1. static batching: a batch moves in when nothing runs ---------------------------------------
+    timeout = _static_timeout(trace, params, state, front)
+    decided, batched = _form_static_batch(trace, params, state, front, front_valid, timeout, num_slots)
+    # -- 2. running pass, preempting by recompute where the cache is short ---------------------------
+    cap = _long_prefill_cap(params, state.num_running + state.queue_len)   # a batch formed moves none out
+    if scored:
+        slots, tokens, preempted, free = _running_pass_by_score(params, decided, num_slots, cap)
+    else:
+        slots, tokens, preempted, end, free = _running_pass(params, decided, num_slots, cap)
+    preempted = preempted & active
+    tokens = jnp.where(active, tokens, 0)
+    decided = _requeue_preempted(trace, params, decided, slots, preempted, num_slots)
+    if scored:
+        # The requests that left as the decision was being taken leave the tenants' counts now.
+        left = slots.leaving & (jnp.arange(num_slots) < decided.num_running)
+        decided = replace(decided, tenant_in_system=decided.tenant_in_system.at[slots.tenant].add(-left.astype(i32)))
+        # Victims may be anywhere in the running set: close the gaps, keeping admission order.
+        slots, tokens, end = _kept(slots, tokens, (jnp.arange(num_slots) < decided.num_running) & ~preempted)
+    decided = replace(decided, num_running=end)
+    # -- 3. waiting pass: admissions from the queue's front, while budget, seats and blocks last --------
+    budget_left = params.max_num_batched_tokens - jnp.sum(tokens)
+    allowed = active & ~params.static_batching & ~jnp.any(preempted)
+    decided, slots, admitted_tokens, admitted, free = _waiting_pass(
+        trace, params, decided, front, front_valid, slots, budget_left, free, allowed, num_slots, cap)
+    tokens = tokens + admitted_tokens
+    if scored:
+        decided = _remove_from_pool(decided, front_at, jnp.where(active, batched + admitted, 0))
+    else:
+        decided = replace(decided, queue=_write_queue(trace, state.queue, arrived, slots.req,
+                                                      preempted & ~slots.leaving, decided.queue_head - admitted))
+    # The requests that left as the decision was being taken give up their seats and blocks in `_advance`'s
+    # compaction.
+    decided = replace(decided, slots=slots, num_running=end + admitted, free_blocks=free)
+
+    # -- Steps: the scheduled step and the run of steps of its shape after it; else idle ---------------
+    busy = jnp.any(tokens > 0)
+    front_blocks = None
+    if not scored:
+        # What the queue's front will need to be admitted (the waiting pass's test).
+        at = jnp.minimum(admitted, num_slots - 1)
+        length = front.prompt[at] + front.generated[at]
+        chunk = jnp.where(params.reserve_full_prompt, length, front.computed[at] + 1)
+        # (After a preemption the victims are the front: claim nothing.)
+        front_blocks = jnp.where(front_valid[at] & (admitted < num_slots) & ~jnp.any(preempted),
+                                 _ceil_div(chunk, params.block_size) + params.watermark_blocks, 0)
+    stepped = _advance(trace, params, decided, slots, tokens, cost_fn, num_slots, front_blocks)
+    # A decision taken a step early that schedules nothing is taken again now, on what this boundary sees
+    # (with nothing scheduled `_advance` only drops the requests that left).
+    retaken = replace(decided, slots=stepped.slots, num_running=stepped.num_running,
+                      free_blocks=stepped.free_blocks, pipelined_now=jnp.asarray(False))
+    idled = _idle(trace, params, state, timeout)
+    after = _choose(active, _choose(busy, stepped, _choose(state.pipelined_now, retaken, idled)), state)
+    # The slot count is a capacity bound, not a knob: if it ever binds, the caller reruns with more.
+    table_full = (end + admitted >= num_slots) & (num_slots < params.max_num_seqs) & ~params.static_batching
+    slots_filled = state.slots_filled | (active & table_full)
+    return replace(after,
+        # A run that outgrew its tables is rerun with larger ones, so it may stop here.
+        ended=after.ended | (~more_due & past_horizon) | slots_filled | after.pool_filled,
+        iterations=state.iterations + live.astype(i32),
+        slots_filled=slots_filled,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
 # Small array helpers
 # ---------------------------------------------------------------------------------------------
 def _ceil_div(a, b):
@@ -219,30 +309,6 @@ def _prefix_and(mask):
     n = mask.shape[0]
     first_false = jnp.where(jnp.all(mask), n, jnp.argmax(~mask))
     return jnp.arange(n) < first_false
-
-
-def _two_sum(a, b):
-    s = a + b
-    bb = s - a
-    err = (a - (s - bb)) + (b - bb)
-    return s, err
-
-
-def _df_add(hi, lo, x):
-    """Double-float (hi, lo) plus a float32."""
-    s, err = _two_sum(hi, x)
-    lo = lo + err
-    new_hi = s + lo
-    return new_hi, lo - (new_hi - s)
-
-
-def _df_sub(a_hi, a_lo, b_hi, b_lo):
-    """(a - b) as a float32; exact enough because latencies are small next to the clock."""
-    return (a_hi - b_hi) + (a_lo - b_lo)
-
-
-def _df_le(a_hi, a_lo, b_hi, b_lo):
-    return _df_sub(a_hi, a_lo, b_hi, b_lo) <= 0
 
 
 def _itl_bin(gap):
@@ -270,14 +336,15 @@ def init_state(trace: Trace, params: EngineParams, num_slots: int, queue_shape: 
     tenants = 1 if queue_shape is None else queue_shape.num_tenants
     rz_i, rz_f = jnp.zeros(n, i32), jnp.zeros(n, f32)
     nan = jnp.full(n, jnp.nan, f32)
-    requests = Requests(rz_i, rz_i, rz_i, rz_i, nan, nan, rz_f, rz_f, rz_f, rz_f)
+    # Status in outcome.py's codes: a request in the system is UNFINISHED until it completes.
+    requests = Requests(jnp.full(n, NOT_ARRIVED, i32), rz_i, rz_i, rz_i, nan, nan, rz_f, rz_f, rz_f, rz_f)
     closed_loop = {}
     if trace.think is not None:
         requests = replace(requests, arrival_hi=rz_f, arrival_lo=rz_f)
         closed_loop = dict(pending_call=trace.first_call, pending_hi=trace.arrival_hi[trace.first_call],
                            pending_lo=trace.arrival_lo[trace.first_call])
     # The clock starts at the first arrival -- or at the horizon, if nothing arrives before it.
-    starts_at_horizon = _df_le(params.horizon_hi, params.horizon_lo, trace.arrival_hi[0], trace.arrival_lo[0])
+    starts_at_horizon = df_le(params.horizon_hi, params.horizon_lo, trace.arrival_hi[0], trace.arrival_lo[0])
     return EngineState(
         clock_hi=jnp.where(starts_at_horizon, params.horizon_hi, trace.arrival_hi[0]),
         clock_lo=jnp.where(starts_at_horizon, params.horizon_lo, trace.arrival_lo[0]),
@@ -315,8 +382,8 @@ def _due_at(params, state, exists, a_hi, a_lo):
     until_hi, until_lo = _decided_at(state)
     return (
         exists
-        & _df_le(a_hi, a_lo, until_hi, until_lo)
-        & ~_df_le(params.horizon_hi, params.horizon_lo, a_hi, a_lo)
+        & df_le(a_hi, a_lo, until_hi, until_lo)
+        & ~df_le(params.horizon_hi, params.horizon_lo, a_hi, a_lo)
     )
 
 
@@ -410,7 +477,7 @@ def _process_arrivals(trace: Trace, params: EngineParams, state: EngineState, sc
     )
     req = state.requests
     req = replace(req,
-        status=_set_where(req.status, index, jnp.where(accepted, IN_SYSTEM, REJECTED), due),
+        status=_set_where(req.status, index, jnp.where(accepted, UNFINISHED, REJECTED), due),
         reason=_set_where(req.reason, index, reason, rejected),
     )
     if trace.think is not None:
@@ -420,7 +487,7 @@ def _process_arrivals(trace: Trace, params: EngineParams, state: EngineState, sc
         # taken (by its completion otherwise).
         state = _release_next_calls(trace, state, safe, due & ~accepted, due, _decided_at(state))
     # A request arriving mid-step is in the system from its arrival, though processed at the boundary.
-    waited = _df_sub(state.clock_hi, state.clock_lo, arrival_hi, arrival_lo)
+    waited = df_sub(state.clock_hi, state.clock_lo, arrival_hi, arrival_lo)
     next_arrival = state.next_arrival + jnp.sum(due, dtype=i32)
     if scored:
         # Arrivals are newer than everything in the pool, so appending keeps it in id order. One that
@@ -451,7 +518,7 @@ def _release_next_calls(trace, state, calls, release, written, at):
     n = trace.prompt.shape[0]
     follower = jnp.minimum(calls + 1, n - 1)
     release = release & (calls + 1 < n) & (trace.session[follower] == trace.session[calls])
-    at_hi, at_lo = _df_add(at[0], at[1], trace.think[follower])
+    at_hi, at_lo = df_add(at[0], at[1], trace.think[follower])
     session = trace.session[calls]
     return replace(state,
         pending_call=_set_where(state.pending_call, session, jnp.where(release, follower, n), written),
@@ -477,7 +544,7 @@ def _queue_front(trace: Trace, params: EngineParams, state: EngineState, arrived
     from_arrivals = arrived.ids[jnp.clip(k - older, 0, ARRIVALS_PER_ITERATION - 1)]
     ids = jnp.where(valid, jnp.where(k < older, from_ring, from_arrivals), 0)
     req = state.requests
-    since_last = _df_sub(state.clock_hi, state.clock_lo, req.last_emit_hi[ids], req.last_emit_lo[ids])
+    since_last = df_sub(state.clock_hi, state.clock_lo, req.last_emit_hi[ids], req.last_emit_lo[ids])
     rows = Slots(
         req=ids, prompt=trace.prompt[ids], output=_max_tokens(trace, params, ids),
         computed=_cached(params, ids), generated=req.generated[ids],
@@ -539,7 +606,7 @@ def _pool_front(trace: Trace, params: EngineParams, state: EngineState, num_slot
     valid = jnp.arange(num_slots, dtype=i32) < state.queue_len
     ids = jnp.where(valid, state.queue[at], 0)
     req = state.requests
-    since_last = _df_sub(state.clock_hi, state.clock_lo, req.last_emit_hi[ids], req.last_emit_lo[ids])
+    since_last = df_sub(state.clock_hi, state.clock_lo, req.last_emit_hi[ids], req.last_emit_lo[ids])
     rows = Slots(
         req=ids, prompt=trace.prompt[ids], output=_max_tokens(trace, params, ids),
         computed=_cached(params, ids), generated=req.generated[ids],
@@ -670,7 +737,7 @@ def _take_from_budget(need, budget_left, params, cap, admitting: bool):
 
 def _static_timeout(trace, params, state, front: Slots):
     """When the queue's front request will have waited max_wait_s (static batching's start signal)."""
-    return _df_add(*_arrival_of(trace, state, front.req[0]), params.max_wait_s)
+    return df_add(*_arrival_of(trace, state, front.req[0]), params.max_wait_s)
 
 
 def _form_static_batch(trace, params, state, front: Slots, valid, timeout, num_slots):
@@ -679,7 +746,7 @@ def _form_static_batch(trace, params, state, front: Slots, valid, timeout, num_s
     timeout_hi, timeout_lo = timeout
     trigger = (
         params.static_batching & (state.num_running == 0) & (state.queue_len > 0)
-        & ((state.queue_len >= params.batch_size) | _df_le(timeout_hi, timeout_lo, state.clock_hi, state.clock_lo))
+        & ((state.queue_len >= params.batch_size) | df_le(timeout_hi, timeout_lo, state.clock_hi, state.clock_lo))
     )
     blocks = _ceil_div(rows.prompt + rows.generated, params.block_size)
     k = jnp.arange(num_slots, dtype=i32)
@@ -833,7 +900,7 @@ def _requeue_preempted(trace, params, state, slots, preempted, num_slots):
         state = replace(state, queue_head=(state.queue_head - count) % n, queue_len=state.queue_len + count)
     else:
         state = _insert_into_pool(trace, params, state, slots.req, requeued)
-    last_hi, last_lo = _df_add(state.clock_hi, state.clock_lo, -slots.gap)
+    last_hi, last_lo = df_add(state.clock_hi, state.clock_lo, -slots.gap)
     req = state.requests
     req = replace(req,
         generated=_set_where(req.generated, slots.req, slots.generated, requeued),
@@ -1026,8 +1093,8 @@ def _advance(trace, params, state, slots, tokens, cost_fn, num_slots, front_bloc
     ends = jnp.cumsum(durations)
     starts = ends - durations
     next_hi, next_lo, next_exists = _next_arrival(trace, state)
-    to_arrival = jnp.where(next_exists, _df_sub(next_hi, next_lo, state.clock_hi, state.clock_lo), jnp.inf)
-    to_horizon = _df_sub(params.horizon_hi, params.horizon_lo, state.clock_hi, state.clock_lo)
+    to_arrival = jnp.where(next_exists, df_sub(next_hi, next_lo, state.clock_hi, state.clock_lo), jnp.inf)
+    to_horizon = df_sub(params.horizon_hi, params.horizon_lo, state.clock_hi, state.clock_lo)
     # Whatever arrives, nobody is admitted while every seat or the whole budget is taken; then arrivals need
     # not end the run either: while nothing leaves the queue, processing them at the run's end decides the
     # same rejections. A closed-loop call must be processed at the first boundary after it regardless (a
@@ -1070,11 +1137,11 @@ def _advance(trace, params, state, slots, tokens, cost_fn, num_slots, front_bloc
     later_steps = run & ~zero
     prefilled = jnp.sum(jnp.where(later_steps, chunk, 0))
     prefill_emits = prefill_repeats & (extra > 0) & (prefilled == need)   # its last chunk was step `extra`
-    first_end = _df_add(state.clock_hi, state.clock_lo, durations[0])
-    end_hi, end_lo = _df_add(state.clock_hi, state.clock_lo, total)
+    first_end = df_add(state.clock_hi, state.clock_lo, durations[0])
+    end_hi, end_lo = df_add(state.clock_hi, state.clock_lo, total)
     grow = jnp.where(decoder, jnp.minimum(left, extra), 0)   # the decode steps after step 0 each takes
     through = jnp.where(is_prefill, extra, grow)              # the last step each takes part in
-    finish_hi, finish_lo = _df_add(state.clock_hi, state.clock_lo, ends[through])
+    finish_hi, finish_lo = df_add(state.clock_hi, state.clock_lo, ends[through])
 
     # Inter-token gaps: at step 0 for requests that emit and had emitted before, and at the prefilling
     # request's last chunk; at step 1 for every decoder taking part; from step 2 on, each step's duration,
@@ -1114,9 +1181,9 @@ def _advance(trace, params, state, slots, tokens, cost_fn, num_slots, front_bloc
     token_hi = jnp.where(is_prefill, finish_hi, first_end[0])
     token_lo = jnp.where(is_prefill, finish_lo, first_end[1])
     req = replace(req,
-        ttft=_set_where(req.ttft, slots.req, _df_sub(token_hi, token_lo, arrival_hi, arrival_lo), first_token),
-        e2el=_set_where(req.e2el, slots.req, _df_sub(finish_hi, finish_lo, arrival_hi, arrival_lo), finished),
-        status=_set_where(req.status, slots.req, DONE, finished),
+        ttft=_set_where(req.ttft, slots.req, df_sub(token_hi, token_lo, arrival_hi, arrival_lo), first_token),
+        e2el=_set_where(req.e2el, slots.req, df_sub(finish_hi, finish_lo, arrival_hi, arrival_lo), finished),
+        status=_set_where(req.status, slots.req, COMPLETED, finished),
         generated=_set_where(req.generated, slots.req, generated, finished),
         max_gap=_set_where(req.max_gap, slots.req, max_gap, finished),
         sum_sq_gap=_set_where(req.sum_sq_gap, slots.req, sum_sq, finished),
@@ -1161,7 +1228,7 @@ def _advance(trace, params, state, slots, tokens, cost_fn, num_slots, front_bloc
     if trace.think is not None:
         state = _release_next_calls(trace, state, slots.req, finished, finished, (finish_hi, finish_lo))
     slots, _ = _kept_slots(replace(slots, leaving=leaving), keep, num_slots)
-    cutoff_hi, cutoff_lo = _df_add(end_hi, end_lo, -durations[extra])
+    cutoff_hi, cutoff_lo = df_add(end_hi, end_lo, -durations[extra])
     return replace(state,
         clock_hi=end_hi, clock_lo=end_lo,
         slots=slots, num_running=jnp.sum(keep, dtype=i32),
@@ -1188,7 +1255,7 @@ def _idle(trace, params, state, timeout):
     # The horizon bounds a jump to any other event; with no other event the run simply ends.
     exists[1] = jnp.isfinite(params.horizon_hi) & (exists[0] | exists[2])
     hi, lo, ok = jnp.stack(candidates_hi), jnp.stack(candidates_lo), jnp.stack(exists)
-    delta = jnp.where(ok, _df_sub(hi, lo, state.clock_hi, state.clock_lo), jnp.inf)
+    delta = jnp.where(ok, df_sub(hi, lo, state.clock_hi, state.clock_lo), jnp.inf)
     choice = jnp.argmin(delta)
     any_event = jnp.any(ok)
     jump = jnp.where(any_event, delta[choice], 0.0)
@@ -1211,85 +1278,6 @@ def _choose(pred, if_true: EngineState, if_false: EngineState) -> EngineState:
         for f in if_true.__dataclass_fields__ if f not in _LARGE_FIELDS
     }
     return replace(if_true, **small)
-
-
-def _iteration(trace, params, state, cost_fn, num_slots, scored: bool):
-    if scored:
-        # Room for this iteration's arrivals and preemption victims, before anything reads the pool.
-        state = _make_room(state, ARRIVALS_PER_ITERATION + num_slots)
-    state, more_due, arrived = _process_arrivals(trace, params, state, scored)
-    past_horizon = _df_le(params.horizon_hi, params.horizon_lo, state.clock_hi, state.clock_lo)
-    live = _live(state, params)
-    active = ~more_due & ~past_horizon & live
-
-    if scored:
-        # Only where a request could be admitted: such boundaries always end a macro-step, so the lift
-        # sees the same counters as it would one engine step at a time.
-        lifts = active & ~_seats_closed(params, state.num_running)
-        lifted = _lift_rejoining_tenants(state)
-        state = replace(state,
-            tenant_tokens=jnp.where(lifts, lifted.tenant_tokens, state.tenant_tokens),
-            tenant_active=jnp.where(lifts, lifted.tenant_active, state.tenant_active))
-        front, front_valid, front_at = _pool_front(trace, params, state, num_slots)
-    else:
-        front, front_valid = _queue_front(trace, params, state, arrived, num_slots)
-    timeout = _static_timeout(trace, params, state, front)
-    engine, batched = _form_static_batch(trace, params, state, front, front_valid, timeout, num_slots)
-    cap = _long_prefill_cap(params, state.num_running + state.queue_len)   # a batch formed moves none out
-    if scored:
-        slots, tokens, preempted, free = _running_pass_by_score(params, engine, num_slots, cap)
-    else:
-        slots, tokens, preempted, end, free = _running_pass(params, engine, num_slots, cap)
-    preempted = preempted & active
-    tokens = jnp.where(active, tokens, 0)
-    engine = _requeue_preempted(trace, params, engine, slots, preempted, num_slots)
-    if scored:
-        # The requests that left as the decision was being taken leave the tenants' counts now.
-        left = slots.leaving & (jnp.arange(num_slots) < engine.num_running)
-        engine = replace(engine, tenant_in_system=engine.tenant_in_system.at[slots.tenant].add(-left.astype(i32)))
-        # Victims may be anywhere in the running set: close the gaps, keeping admission order.
-        slots, tokens, end = _kept(slots, tokens, (jnp.arange(num_slots) < engine.num_running) & ~preempted)
-    engine = replace(engine, num_running=end)
-    budget_left = params.max_num_batched_tokens - jnp.sum(tokens)
-    allowed = active & ~params.static_batching & ~jnp.any(preempted)
-    engine, slots, admitted_tokens, admitted, free = _waiting_pass(
-        trace, params, engine, front, front_valid, slots, budget_left, free, allowed, num_slots, cap)
-    tokens = tokens + admitted_tokens
-    if scored:
-        engine = _remove_from_pool(engine, front_at, jnp.where(active, batched + admitted, 0))
-    else:
-        engine = replace(engine, queue=_write_queue(trace, state.queue, arrived, slots.req,
-                                                    preempted & ~slots.leaving, engine.queue_head - admitted))
-    # The requests that left as the decision was being taken give up their seats and blocks in `_advance`'s
-    # compaction.
-    engine = replace(engine, slots=slots, num_running=end + admitted, free_blocks=free)
-
-    busy = jnp.any(tokens > 0)
-    front_blocks = None
-    if not scored:
-        # What the queue's front will need to be admitted (the waiting pass's test).
-        at = jnp.minimum(admitted, num_slots - 1)
-        length = front.prompt[at] + front.generated[at]
-        chunk = jnp.where(params.reserve_full_prompt, length, front.computed[at] + 1)
-        # (After a preemption the victims are the front: claim nothing.)
-        front_blocks = jnp.where(front_valid[at] & (admitted < num_slots) & ~jnp.any(preempted),
-                                 _ceil_div(chunk, params.block_size) + params.watermark_blocks, 0)
-    stepped = _advance(trace, params, engine, slots, tokens, cost_fn, num_slots, front_blocks)
-    # A decision taken a step early that schedules nothing is taken again now, on what this boundary sees
-    # (with nothing scheduled `_advance` only drops the requests that left).
-    retaken = replace(engine, slots=stepped.slots, num_running=stepped.num_running, free_blocks=stepped.free_blocks,
-                      pipelined_now=jnp.asarray(False))
-    idled = _idle(trace, params, state, timeout)
-    new = _choose(active, _choose(busy, stepped, _choose(state.pipelined_now, retaken, idled)), state)
-    # The slot count is a capacity bound, not a knob: if it ever binds, the caller reruns with more.
-    table_full = (end + admitted >= num_slots) & (num_slots < params.max_num_seqs) & ~params.static_batching
-    slots_filled = state.slots_filled | (active & table_full)
-    return replace(new,
-        # A run that outgrew its tables is rerun with larger ones, so it may stop here.
-        ended=new.ended | (~more_due & past_horizon) | slots_filled | new.pool_filled,
-        iterations=state.iterations + live.astype(i32),
-        slots_filled=slots_filled,
-    )
 
 
 def _flush_running(state: EngineState) -> EngineState:

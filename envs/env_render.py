@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from servetune.envs import engine
+from servetune.envs.outcome import COMPLETED
 from servetune.pytree import replace
 
 PREFILL, DECODE, IDLE = "#f28e2b", "#4e79a7", "#e6e6e6"
@@ -59,8 +60,8 @@ def _span(before, after) -> Optional[Span]:
     if steps == 0 or end <= start:
         return None
     was, now = _running(before), _running(after)
-    finished = set(np.flatnonzero((np.asarray(after.requests.status) == engine.DONE)
-                                  & (np.asarray(before.requests.status) != engine.DONE)).tolist())
+    finished = set(np.flatnonzero((np.asarray(after.requests.status) == COMPLETED)
+                                  & (np.asarray(before.requests.status) != COMPLETED)).tolist())
     # Seats in admission order: those running before, then the requests admitted in this iteration.
     seats = list(was) + [r for r in list(now) + sorted(finished) if r not in was]
     first, later = [], []

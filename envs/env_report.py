@@ -15,7 +15,7 @@ import numpy as np
 from servetune.envs import engine
 from servetune.envs.env_world import World
 from servetune.envs.metrics import compute_metrics
-from servetune.envs.outcome import NOT_ARRIVED, RequestOutcomes, SimulationOutcome
+from servetune.envs.outcome import COMPLETED, NOT_ARRIVED, REJECTED, RequestOutcomes, SimulationOutcome
 from servetune.envs.simulator import outcome_from_state
 
 _flush = jax.jit(engine.flush_running)
@@ -28,7 +28,7 @@ def _end_s(world: World, variant: int, state: engine.EngineState, outcome: Simul
     arrived = req.status[:count] != NOT_ARRIVED
     clock = float(np.float64(state.clock_hi) + np.float64(state.clock_lo))
     status = np.asarray(state.requests.status)[:count]
-    resolved = bool(np.all((status == engine.DONE) | (status == engine.REJECTED)))
+    resolved = bool(np.all((status == COMPLETED) | (status == REJECTED)))
     if not (resolved and arrived.any()):
         return clock
     workload = world.workloads[variant]

@@ -35,8 +35,9 @@ from servetune.envs.admission import rate_limited
 from servetune.envs.env_actions import KnobBounds, config_knobs, encode, knob_bounds, vllm_knobs
 from servetune.envs.prefix_cache import PrefixHits
 from servetune.envs.queue_order import NO_DEADLINE_S
+from servetune.envs.double_float import split_double
 from servetune.envs.simulator import (
-    _split_double, device_trace, engine_params, iteration_guard, prefix_cache_hits,
+    device_trace, engine_params, iteration_guard, prefix_cache_hits,
 )
 from servetune.envs.slos import RequestSlos, per_request_slos
 from servetune.envs.workload import Workload, build_workload, take_rows
@@ -283,9 +284,7 @@ def build_world(config: Union[str, Path, Mapping, Config], *, overrides: Sequenc
     # A pool the size of the window never overflows.
     queue_shape = engine.QueueShape(pool_size=max(size, num_slots), num_tenants=tenants) if scored else None
     guard = max(iteration_guard(take_rows(w, np.arange(c), w.arrival_s[:c])) for w, c in zip(workloads, counts))
-    # Without a time limit the end is +inf exactly (splitting inf would make its low part NaN).
-    horizon_hi, horizon_lo = ((np.array([np.inf], np.float32), np.zeros(1, np.float32)) if episode_s is None
-                              else _split_double(np.array([episode_s])))
+    horizon_hi, horizon_lo = split_double([np.inf if episode_s is None else episode_s])
     itl_limits = np.concatenate([s.itl_ms for s in slos])
     params = EnvParams(
         bank=bank,

@@ -47,9 +47,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from servetune.envs import engine
+from servetune.envs.double_float import df_le, df_sub
 from servetune.envs.env_actions import action_names, apply, decode
 from servetune.envs.env_world import EnvParams, World
-from servetune.envs.outcome import itl_bin_edges
+from servetune.envs.outcome import COMPLETED, NOT_ARRIVED, REJECTED, UNFINISHED, itl_bin_edges
 from servetune.parallel import across_cores
 from servetune.pytree import pytree_dataclass, replace
 
@@ -115,7 +116,7 @@ def interval_end(params: EnvParams, interval, step_s):
     """The end of interval `interval` (0-based) of length `step_s`, or the episode's end if it comes first;
     and whether it is the episode's end."""
     t = (interval + 1).astype(f32) * step_s
-    at_end = (params.episode_hi - t) + params.episode_lo <= 0   # double-float episode end <= t
+    at_end = df_le(params.episode_hi, params.episode_lo, t, 0.0)
     return (jnp.where(at_end, params.episode_hi, t), jnp.where(at_end, params.episode_lo, 0.0), at_end)
 
 
@@ -141,7 +142,7 @@ def _real(params: EnvParams, variant):
 def resolved(params: EnvParams, variant, state: engine.EngineState):
     """Every request of the window has completed or been rejected."""
     status = state.requests.status
-    return jnp.all(~_real(params, variant) | (status == engine.DONE) | (status == engine.REJECTED))
+    return jnp.all(~_real(params, variant) | (status == COMPLETED) | (status == REJECTED))
 
 
 def _meets_slos(params: EnvParams, variant, trace: engine.Trace, requests: engine.Requests):
@@ -189,8 +190,8 @@ class Judged(NamedTuple):
 
 def _judge(params, variant, trace, before: engine.EngineState, after: engine.EngineState) -> Judged:
     """Completions and rejections of an interval, judged against each request's SLOs."""
-    done_now = (after.requests.status == engine.DONE) & (before.requests.status != engine.DONE)
-    rejected_now = (after.requests.status == engine.REJECTED) & (before.requests.status != engine.REJECTED)
+    done_now = (after.requests.status == COMPLETED) & (before.requests.status != COMPLETED)
+    rejected_now = (after.requests.status == REJECTED) & (before.requests.status != REJECTED)
     meets = _meets_slos(params, variant, trace, after.requests)
     good = jnp.sum(done_now & meets, dtype=i32)
     completed = jnp.sum(done_now, dtype=i32)
@@ -205,7 +206,7 @@ def _waiting(state: engine.EngineState):
     slots = state.slots
     occupied = jnp.arange(slots.req.shape[0]) < state.num_running
     running = jnp.zeros(n, bool).at[jnp.where(occupied, slots.req, n)].set(True, mode="drop")
-    return (state.requests.status == engine.IN_SYSTEM) & ~running
+    return (state.requests.status == UNFINISHED) & ~running
 
 
 def _running(state: engine.EngineState):
@@ -282,8 +283,8 @@ def control_step(key, state: ControlState, action, params: EnvParams):
         "arrived": after.next_arrival - state.engine.next_arrival,
         "episode_good": new.good, "episode_missed": new.missed,
         # Every request of the window is good, missed, in flight (waiting or running) or yet to arrive.
-        "in_flight": jnp.sum(real & (status == engine.IN_SYSTEM), dtype=i32),
-        "pending": jnp.sum(real & (status == engine.PENDING), dtype=i32),
+        "in_flight": jnp.sum(real & (status == UNFINISHED), dtype=i32),
+        "pending": jnp.sum(real & (status == NOT_ARRIVED), dtype=i32),
         "window_requests": params.bank.num_requests[variant], "workload": variant,
         "time_s": end_s, "engine_clock_s": after.clock_hi + after.clock_lo,
         # Both are bugs if ever True: the slot table is sized to every action (env_world), and the guard
@@ -314,13 +315,13 @@ def duration_s(params: EnvParams, variant, trace, state: engine.EngineState, res
     """
     first_hi, first_lo = trace.arrival_hi[0], trace.arrival_lo[0]
     status = state.requests.status
-    arrived = _real(params, variant) & (status != engine.PENDING)
-    since_first = (trace.arrival_hi - first_hi) + (trace.arrival_lo - first_lo)
-    finish = since_first + jnp.where(status == engine.DONE, state.requests.e2el, 0.0)
+    arrived = _real(params, variant) & (status != NOT_ARRIVED)
+    since_first = df_sub(trace.arrival_hi, trace.arrival_lo, first_hi, first_lo)
+    finish = since_first + jnp.where(status == COMPLETED, state.requests.e2el, 0.0)
     last_event = jnp.max(jnp.where(arrived, finish, 0.0))
-    episode_end = (params.episode_hi - first_hi) + (params.episode_lo - first_lo)
+    episode_end = df_sub(params.episode_hi, params.episode_lo, first_hi, first_lo)
     drained_end = jnp.where(params.bank.more_after_window[variant], jnp.maximum(last_event, episode_end), last_event)
-    clock = (state.clock_hi - first_hi) + (state.clock_lo - first_lo)
+    clock = df_sub(state.clock_hi, state.clock_lo, first_hi, first_lo)
     return jnp.where(jnp.any(arrived), jnp.maximum(jnp.where(resolved, drained_end, clock), 0.0), 0.0)
 
 
@@ -349,11 +350,11 @@ def tune_step(key, state: TuneState, action, params: EnvParams):
         unfinished, run, (state.engine, jnp.asarray(0, i32), jnp.asarray(False), jnp.asarray(False)))
     real = _real(params, variant)
     status = after.requests.status
-    done = real & (status == engine.DONE)
+    done = real & (status == COMPLETED)
     good = jnp.sum(done & _meets_slos(params, variant, trace, after.requests), dtype=i32)
     completed = jnp.sum(done, dtype=i32)
-    rejected = jnp.sum(real & (status == engine.REJECTED), dtype=i32)
-    arrived = jnp.sum(real & (status != engine.PENDING), dtype=i32)
+    rejected = jnp.sum(real & (status == REJECTED), dtype=i32)
+    arrived = jnp.sum(real & (status != NOT_ARRIVED), dtype=i32)
     duration = duration_s(params, variant, trace, after, resolved(params, variant, after))
     goodput = jnp.where(duration > 0, good.astype(f32) / jnp.maximum(duration, 1e-9), 0.0)
     info = {

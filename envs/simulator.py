@@ -17,8 +17,9 @@ import numpy as np
 
 from servetune.config import SchedulerConfig
 from servetune.envs import engine
+from servetune.envs.double_float import split_double
 from servetune.envs.outcome import (
-    COMPLETED, NOT_ARRIVED, REJECTED, UNFINISHED, EngineTotals, RequestOutcomes, SimulationOutcome,
+    COMPLETED, NOT_ARRIVED, UNFINISHED, EngineTotals, RequestOutcomes, SimulationOutcome,
 )
 from servetune.envs.queue_order import (
     FEATURES, order_weights, predicted_output_tokens, relative_arrivals_s, ttft_budgets_s,
@@ -36,7 +37,7 @@ def device_trace(workload: Workload, length_prediction_noise: float = 0.0,
     ``ttft_slo_ms`` (per request, +inf for none; envs/slos.py) sets the deadlines the edf order reads;
     ``rate_limited`` (per request; envs/admission.py) marks the arrivals tenants' rate limits refuse.
     """
-    hi, lo = _split_double(workload.arrival_s)
+    hi, lo = split_double(workload.arrival_s)
     if ttft_slo_ms is None:
         ttft_slo_ms = np.full(workload.num_requests, np.inf)
     closed_loop = {}
@@ -57,13 +58,6 @@ def device_trace(workload: Workload, length_prediction_noise: float = 0.0,
         rate_limited=jnp.asarray(np.zeros(workload.num_requests, bool) if rate_limited is None else rate_limited),
         **closed_loop,
     )
-
-
-def _split_double(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    values = np.asarray(values, np.float64)
-    hi = values.astype(np.float32)
-    lo = (values - hi.astype(np.float64)).astype(np.float32)
-    return hi, lo
 
 
 def num_slots_for(schedulers: Sequence[SchedulerConfig]) -> int:
@@ -157,10 +151,7 @@ def engine_params(scheduler: SchedulerConfig, cost_params: Any, horizon_s: Optio
     """The engine's knobs; ``cached_tokens`` (per request, from envs/prefix_cache.py) when prefix caching."""
     if scheduler.num_kv_blocks is None:
         raise ValueError("scheduler.num_kv_blocks must be resolved before simulating")
-    if horizon_s is None:
-        horizon_hi, horizon_lo = np.array([np.inf], np.float32), np.zeros(1, np.float32)
-    else:
-        horizon_hi, horizon_lo = _split_double(np.array([horizon_s]))
+    horizon_hi, horizon_lo = split_double([np.inf if horizon_s is None else horizon_s])
 
     def i32(x):
         return jnp.asarray(x, jnp.int32)
@@ -193,16 +184,14 @@ def engine_params(scheduler: SchedulerConfig, cost_params: Any, horizon_s: Optio
 def outcome_from_state(workload: Workload, state: engine.EngineState, horizon_s: Optional[float]) -> SimulationOutcome:
     """Engine state (one config, already on the host or device) to the shared outcome type."""
     req = jax.tree_util.tree_map(np.asarray, state.requests)
-    status = np.full(workload.num_requests, UNFINISHED, np.int64)
-    status[req.status == engine.DONE] = COMPLETED
-    status[req.status == engine.REJECTED] = REJECTED
+    status = req.status.astype(np.int64)
     if workload.closed_loop:
-        # A call still pending was never released before the run stopped, or released past the horizon.
-        status[req.status == engine.PENDING] = NOT_ARRIVED
+        # A call still NOT_ARRIVED was never released before the run stopped, or released past the horizon.
         arrival = req.arrival_hi.astype(np.float64) + req.arrival_lo.astype(np.float64)
     else:
-        if horizon_s is not None:
-            status[(req.status == engine.PENDING) & (workload.arrival_s >= horizon_s)] = NOT_ARRIVED
+        # An open-loop request the run stopped before taking in arrived all the same, unless past the horizon.
+        arrived = np.full(workload.num_requests, True) if horizon_s is None else workload.arrival_s < horizon_s
+        status[(status == NOT_ARRIVED) & arrived] = UNFINISHED
         arrival = workload.arrival_s
     arrival = np.where(status != NOT_ARRIVED, arrival, np.nan)
     completed = status == COMPLETED
