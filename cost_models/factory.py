@@ -9,10 +9,10 @@ import jax.numpy as jnp
 
 from servetune.config import Config
 from servetune.cost_models import linear, roofline
-from servetune.cost_models.catalog import resolve_gpu, resolve_model
+from servetune.cost_models.catalog import as_config_fields, resolve_gpu, resolve_model
 from servetune.cost_models.memory import kv_capacity
 from servetune.cost_models.profile import find_profile, load_profile
-from servetune.errors import ConfigError
+from servetune.errors import InvalidValue
 
 
 def _config_dir(config: Config) -> Optional[Path]:
@@ -32,20 +32,23 @@ def build_cost_model(config: Config) -> tuple[Callable, Any]:
                                          per_context_token_s=jnp.float32(cost.per_context_token_s))
         return linear.step_time_s, params
     base_dir = _config_dir(config)
-    if cost.kind == "roofline":
-        calibration = roofline.Calibration()
-    elif cost.kind == "calibrated":
-        calibration, _ = load_profile(find_profile(cost.profile, base_dir))
-    else:
-        raise ConfigError(f"cost_model.kind: got {cost.kind!r}, expected linear, roofline or calibrated")
-    model = resolve_model(config.model, base_dir)
-    gpu = resolve_gpu(config.hardware.gpu)
-    return roofline.step_time_s, roofline.build_roofline_params(model, gpu, config.hardware.tp, calibration)
+    with as_config_fields():
+        if cost.kind == "roofline":
+            calibration = roofline.Calibration()
+        elif cost.kind == "calibrated":
+            calibration, _ = load_profile(find_profile(cost.profile, base_dir))
+        else:
+            raise InvalidValue("cost_model.kind", cost.kind, "linear, roofline or calibrated")
+        model = resolve_model(config.model, base_dir)
+        gpu = resolve_gpu(config.hardware.gpu)
+        return roofline.step_time_s, roofline.build_roofline_params(model, gpu, config.hardware.tp, calibration)
 
 
 def derive_num_kv_blocks(config: Config) -> int:
-    """KV blocks per GPU as vLLM would size them for this model, GPU, TP, memory share and batch limits."""
-    capacity = kv_capacity(resolve_model(config.model, _config_dir(config)), resolve_gpu(config.hardware.gpu),
-                           config.hardware.tp, config.hardware.gpu_memory_utilization, config.scheduler.block_size,
-                           config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs)
+    """KV blocks per GPU as vLLM would size them for this model, GPU, TP, memory share and batch limits; an
+    ``InvalidValue`` named by its config field (hardware.gpu when the model does not fit) when there are none."""
+    with as_config_fields():
+        capacity = kv_capacity(resolve_model(config.model, _config_dir(config)), resolve_gpu(config.hardware.gpu),
+                               config.hardware.tp, config.hardware.gpu_memory_utilization, config.scheduler.block_size,
+                               config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs)
     return capacity.num_kv_blocks

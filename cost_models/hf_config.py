@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from servetune.cost_models.models import ModelSpec
-from servetune.errors import UserError
+from servetune.errors import UserError, reading_user_file
 
 # Families whose MLP is gated (gate and up projections, SiLU/GELU-gated): three matrices per layer.
 GATED_MODEL_TYPES = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "internlm", "internlm2", "gemma", "gemma2",
@@ -38,31 +38,50 @@ MAX_LEN_KEYS = ("max_position_embeddings",  # OPT, Llama, Mistral, Qwen, ...
 # multiplies it.
 UNSCALED_ROPE_TYPES = {"su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling"}
 
+# Bounds far beyond any model, so that sizes computed from a hostile file stay ordinary numbers: a config.json is a
+# few kilobytes, a dimension (layers, widths, heads, vocabulary) at most millions, a RoPE factor at most hundreds.
+MAX_FILE_BYTES = 16 * 2**20
+MAX_DIMENSION = 2**24
+MAX_LENGTH = 2**53
+MAX_ROPE_FACTOR = 1e6
 
-def _first(config: dict, keys: tuple[str, ...]) -> Any:
+
+def _first(config: dict, keys: tuple[str, ...]) -> tuple[Optional[str], Any]:
+    """(the first of ``keys`` the config sets, its value), or (None, None)."""
     for key in keys:
         if config.get(key) is not None:
-            return config[key]
-    return None
+            return key, config[key]
+    return None, None
+
+
+def _is_integer(value: Any, low: int, high: int) -> bool:
+    return type(value) is int and low <= value <= high   # bool is an int subclass, but `true` is no count
 
 
 def _positive_int(config: dict, keys: tuple[str, ...], path: Path, default: Optional[int] = None) -> int:
-    value = _first(config, keys)
-    if value is None:
+    key, value = _first(config, keys)
+    if key is None:
         if default is not None:
             return default
-        raise UserError(f"{path}: no {' / '.join(keys)} key; is this a transformer config.json?")
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise UserError(f"{path}: {keys[0]} must be a positive integer, found {value!r}")
+        raise UserError(f"{path}: {' / '.join(keys)}: missing, expected a positive integer (is this a transformer "
+                        "config.json?)")
+    if not _is_integer(value, 1, MAX_DIMENSION):
+        raise UserError(f"{path}: {key}: got {_show(value)}, expected an integer in [1, {MAX_DIMENSION}]")
     return value
+
+
+def _show(value: Any) -> str:
+    """A JSON value as JSON text, cut to a readable length."""
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:60] + "..."
 
 
 def _max_len_value(config: dict, key: str, path: Path) -> Optional[int]:
     value = config.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 2:
-        raise UserError(f"{path}: {key} must be an integer of at least 2, found {value!r}")
+    if not _is_integer(value, 2, MAX_LENGTH):
+        raise UserError(f"{path}: {key}: got {_show(value)}, expected an integer in [2, {MAX_LENGTH}]")
     return value
 
 
@@ -73,7 +92,8 @@ def _rope_parameters(config: dict, path: Path) -> list[dict]:
     if not rope:
         return []
     if not isinstance(rope, dict):
-        raise UserError(f"{path}: rope_scaling must be a JSON object, found {rope!r}")
+        key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
+        raise UserError(f"{path}: {key}: got {_show(rope)}, expected a JSON object")
     if all(isinstance(v, dict) for v in rope.values()):
         return [v for v in rope.values() if v]
     return [rope]
@@ -104,8 +124,9 @@ def derived_max_model_len(config: dict, path: Path) -> Optional[int]:
                 factor = rope.get("factor", factor)
         if factor is None:   # vLLM falls back to 1 for a null factor
             factor = 1.0
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
-            raise UserError(f"{path}: the RoPE scaling factor must be a positive number, found {factor!r}")
+        if type(factor) not in (int, float) or not 0 < factor <= MAX_ROPE_FACTOR:   # NaN fails too
+            raise UserError(f"{path}: rope_scaling.factor: got {_show(factor)}, expected a number in (0, "
+                            f"{MAX_ROPE_FACTOR:g}]")
         derived *= factor
     if any(rope_type in ("longrope", "su") for rope_type in rope_types):
         # vLLM defaults LongRoPE models to their pre-extension length, for speed on short sequences.
@@ -121,45 +142,58 @@ def _gated(config: dict) -> bool:
     if model_type in PLAIN_MODEL_TYPES:
         return False
     # An unfamiliar family: SiLU-style activations are used in gated MLPs in practice.
-    activation = str(_first(config, ("hidden_act", "activation_function", "hidden_activation")) or "").lower()
+    activation = str(_first(config, ("hidden_act", "activation_function", "hidden_activation"))[1] or "").lower()
     return activation in GATED_ACTIVATIONS
 
 
 def load_hf_config(path: Path) -> ModelSpec:
     """The ``ModelSpec`` a ``config.json`` describes (``path`` may be the file or the folder holding it)."""
     path = Path(path)
-    if path.is_dir():
-        path = path / "config.json"
+    expected = "a Hugging Face config.json"
+    with reading_user_file(path, "model config", expected, UserError):
+        folder = path.is_dir()
+    path = path / "config.json" if folder else path
+    with reading_user_file(path, "model config", expected, UserError):
+        if path.stat().st_size > MAX_FILE_BYTES:
+            raise UserError(f"{path}: {path.stat().st_size:,} bytes, expected {expected} of at most "
+                            f"{MAX_FILE_BYTES:,}")
+        text = path.read_text(encoding="utf-8")
     try:
-        config = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"model config {path} does not exist") from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise UserError(f"cannot read model config {path}: {error}") from None
+        config = json.loads(text)
     except json.JSONDecodeError as error:
-        raise UserError(f"{path} is not valid JSON: {error.msg} at line {error.lineno}") from None
+        raise UserError(f"{path}: line {error.lineno}, column {error.colno}: not valid JSON ({error.msg}), "
+                        f"expected {expected}") from None
+    except (ValueError, RecursionError):   # a number past Python's digit limit; nesting past its recursion limit
+        raise UserError(f"{path}: not JSON that Python reads (a number with too many digits, or nesting too "
+                        f"deep), expected {expected}") from None
     if not isinstance(config, dict):
-        raise UserError(f"{path}: expected a JSON object of model settings")
-    experts = _first(config, EXPERT_COUNT_KEYS)
+        raise UserError(f"{path}: got {_show(config)}, expected {expected}: a JSON object of model settings")
+    experts_key, experts = _first(config, EXPERT_COUNT_KEYS)
     if isinstance(experts, int) and experts > 1:
-        raise UserError(f"{path}: mixture-of-experts models ({experts} experts) are not supported")
+        raise UserError(f"{path}: {experts_key}: got {experts}, expected no experts (mixture-of-experts models are "
+                        "not supported: the roofline counts every weight as active)")
 
     layers = _positive_int(config, ("num_hidden_layers", "n_layer", "num_layers"), path)
     hidden = _positive_int(config, ("hidden_size", "n_embd", "d_model"), path)
     heads = _positive_int(config, ("num_attention_heads", "n_head", "num_heads"), path)
     kv_default = 1 if config.get("multi_query") else heads
-    kv_heads = _positive_int(config, ("num_key_value_heads", "n_head_kv", "num_kv_heads"), path, kv_default)
+    kv_keys = ("num_key_value_heads", "n_head_kv", "num_kv_heads")
+    kv_heads = _positive_int(config, kv_keys, path, kv_default)
     if hidden % heads and config.get("head_dim") is None:
-        raise UserError(f"{path}: hidden size {hidden} is not a multiple of {heads} heads and no head_dim is given")
+        raise UserError(f"{path}: hidden_size: got {hidden}, expected a multiple of the {heads} attention heads "
+                        "(or a head_dim key)")
     head_dim = _positive_int(config, ("head_dim",), path, hidden // heads)
     if heads % kv_heads:
-        raise UserError(f"{path}: {heads} attention heads cannot be grouped over {kv_heads} key/value heads")
+        raise UserError(f"{path}: {_first(config, kv_keys)[0] or 'multi_query'}: got {kv_heads} key/value heads, "
+                        f"expected a divisor of the {heads} attention heads")
     # GPT-2 and BLOOM leave the MLP width implicit at four times the hidden size.
     intermediate = _positive_int(config, ("intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size"), path,
                                  4 * hidden)
     vocab = _positive_int(config, ("vocab_size", "padded_vocab_size"), path)
     # transformers' PretrainedConfig ties the embeddings unless the config says otherwise.
-    tied = bool(config.get("tie_word_embeddings", True))
+    tied = config.get("tie_word_embeddings", True)
+    if not isinstance(tied, bool):
+        raise UserError(f"{path}: tie_word_embeddings: got {_show(tied)}, expected true or false")
     name = path.parent.name if path.name == "config.json" and path.parent.name else path.stem
     return ModelSpec(name=name, num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads,
                      head_dim=head_dim, intermediate_size=intermediate, vocab_size=vocab, gated_mlp=_gated(config),

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from servetune.cost_models.gpus import GIB, GpuSpec
 from servetune.cost_models.models import DTYPE_BYTES, ModelSpec, heads_per_gpu
-from servetune.errors import UserError
+from servetune.errors import InvalidValue
 
 NON_TORCH_RESERVE_BYTES = 1 * GIB
 LOGIT_BYTES = 4          # the sampler works on FP32 logits
@@ -69,10 +69,12 @@ def activation_reserve_bytes(model: ModelSpec, tp: int, max_num_batched_tokens: 
 
 def kv_capacity(model: ModelSpec, gpu: GpuSpec, tp: int, gpu_memory_utilization: float, block_size: int,
                 max_num_batched_tokens: int, max_num_seqs: int) -> KvCapacity:
+    """The KV cache vLLM would allocate; an ``InvalidValue`` naming the GPU when the model leaves no room for one
+    block (vLLM refuses to start)."""
     if not 0 < gpu_memory_utilization <= 1:
-        raise UserError(f"gpu_memory_utilization must be in (0, 1], found {gpu_memory_utilization}")
+        raise InvalidValue("gpu_memory_utilization", gpu_memory_utilization, "a fraction in (0, 1]")
     if block_size < 1:
-        raise UserError(f"block_size must be at least 1, found {block_size}")
+        raise InvalidValue("block_size", block_size, "an integer ≥ 1")
     weights = weight_bytes_per_gpu(model, tp)
     per_token = kv_bytes_per_token(model, tp)
     reserve = activation_reserve_bytes(model, tp, max_num_batched_tokens, max_num_seqs)
@@ -80,9 +82,10 @@ def kv_capacity(model: ModelSpec, gpu: GpuSpec, tp: int, gpu_memory_utilization:
     kv_cache = usable - weights - reserve
     blocks = int(kv_cache // (block_size * per_token))
     if blocks < 1:
-        raise UserError(
-            f"{model.name} does not fit on {gpu.name} at tp={tp}: weights take {weights / GIB:.1f} GiB per GPU and "
+        raise InvalidValue(
+            "gpu", gpu.name,
+            f"a GPU that holds {model.name} at tp={tp}: its weights take {weights / GIB:,.1f} GiB per GPU and "
             f"activations ~{reserve / GIB:.1f} GiB of the {usable / GIB:.1f} GiB that gpu_memory_utilization "
-            f"{gpu_memory_utilization} allows, leaving no room for one KV block; raise tp or use a larger GPU")
+            f"{gpu_memory_utilization:g} allows, leaving no room for one KV block; raise tp or use a larger GPU")
     return KvCapacity(weight_bytes=weights, kv_bytes_per_token=per_token, activation_reserve_bytes=reserve,
                       usable_bytes=usable, kv_cache_bytes=kv_cache, block_size=block_size, num_kv_blocks=blocks)

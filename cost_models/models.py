@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from servetune.errors import UserError
+from servetune.errors import InvalidValue
 
 # vLLM serves these checkpoints in BF16/FP16 (an FP32 checkpoint is cast down), 2 bytes per value.
 DTYPE_BYTES = 2
@@ -144,14 +144,18 @@ MODEL_ALIASES: dict[str, str] = {
 def heads_per_gpu(model: ModelSpec, tp: int) -> tuple[int, int]:
     """Query and key/value heads each GPU holds under tensor parallelism ``tp``, as vLLM shards them:
     query heads split evenly; key/value heads split when there are at least ``tp`` of them, otherwise
-    each is replicated so that every GPU holds one.
+    each is replicated so that every GPU holds one. An ``InvalidValue`` for a ``tp`` vLLM refuses.
     """
+    kv = model.num_kv_heads
     if tp < 1:
-        raise UserError(f"tensor parallelism must be at least 1, found {tp}")
+        raise InvalidValue("tp", tp, "an integer ≥ 1")
     if model.num_heads % tp:
-        raise UserError(f"{model.name}: {model.num_heads} attention heads do not split over tp={tp} GPUs")
-    if model.num_kv_heads >= tp and model.num_kv_heads % tp:
-        raise UserError(f"{model.name}: {model.num_kv_heads} key/value heads do not split over tp={tp} GPUs")
-    if model.num_kv_heads < tp and tp % model.num_kv_heads:
-        raise UserError(f"{model.name}: {model.num_kv_heads} key/value heads cannot be replicated over tp={tp} GPUs")
-    return model.num_heads // tp, max(model.num_kv_heads // tp, 1)
+        raise InvalidValue("tp", tp, f"a divisor of {model.name}'s {model.num_heads} attention heads (vLLM splits "
+                                     "them evenly over the GPUs)")
+    if kv >= tp and kv % tp:
+        raise InvalidValue("tp", tp, f"a divisor of {model.name}'s {kv} key/value heads (vLLM splits them evenly "
+                                     "over the GPUs)")
+    if kv < tp and tp % kv:
+        raise InvalidValue("tp", tp, f"a multiple of {model.name}'s {kv} key/value heads (vLLM replicates each "
+                                     "over the same number of GPUs)")
+    return model.num_heads // tp, max(kv // tp, 1)

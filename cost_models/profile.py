@@ -12,12 +12,13 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from servetune.cost_models.roofline import Calibration
-from servetune.errors import UserError
+from servetune.errors import InvalidValue, UserError, reading_user_file
 
 PROFILE_FORMAT = 1
+MAX_PROFILE_BYTES = 16 * 2**20   # calibrate writes a few kilobytes
 SHIPPED_PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
 
 
@@ -39,34 +40,73 @@ def shipped_profiles() -> list[Path]:
 
 def find_profile(profile: Optional[str], base_dir: Optional[Path] = None) -> Path:
     """The profile file a config names: a path (relative ones tried from ``base_dir``, then the working
-    folder) or the file name of a shipped profile."""
+    folder) or the file name of a shipped profile. An ``InvalidValue`` when there is none."""
+    names = ", ".join(p.name for p in shipped_profiles())
     if profile is None:
-        names = ", ".join(p.name for p in shipped_profiles())
-        raise UserError(f"cost_model kind 'calibrated' needs a profile: a calibrate output or one of {names}")
+        raise InvalidValue("profile", None, f"a fitted profile for the calibrated cost model: a calibrate output "
+                                            f"or one of {names}")
     given = Path(profile).expanduser()
     candidates = [given] if given.is_absolute() else [
         *([base_dir / given] if base_dir is not None else []), given, SHIPPED_PROFILES_DIR / given.name]
     for candidate in candidates:
-        if candidate.is_file():
-            return candidate
-    names = ", ".join(p.name for p in shipped_profiles())
-    raise UserError(f"cost profile {profile} not found (shipped profiles: {names})")
+        try:
+            if candidate.is_file():
+                return candidate
+        except (OSError, ValueError):   # a name too long for a path, or with a NUL in it
+            continue
+    raise InvalidValue("profile", profile, f"an existing calibrate output or one of {names} (no file "
+                                           f"{', '.join(map(str, dict.fromkeys(candidates)))})")
+
+
+# The bounds of a profile's values: what calibrate's fit can produce (efficiencies are sigmoids, the sharpness
+# 1 + softplus, times exponentials), with times cut at a second, far above any kernel or host overhead.
+_EFFICIENCY = ("a number in (0, 1]", lambda value: 0 < value <= 1)
+_SHARPNESS = ("a number in [1, 100]", lambda value: 1 <= value <= 100)
+_SECONDS = ("seconds in (0, 1]", lambda value: 0 < value <= 1)
+
+
+def _value_rule(name: str) -> tuple[str, Callable[[float], bool]]:
+    if name.endswith("_efficiency"):
+        return _EFFICIENCY
+    return _SHARPNESS if name == "roofline_sharpness" else _SECONDS
 
 
 def load_profile(path: Path) -> tuple[Calibration, dict[str, Any]]:
-    """The calibration a profile holds, and the whole document."""
+    """The calibration a profile holds, and the whole document; a ``UserError`` naming the file, the key, the
+    value and what was expected when it is not one."""
+    expected = "a servetune cost profile (as calibrate writes it)"
+    with reading_user_file(path, "cost profile", expected, UserError):
+        if Path(path).stat().st_size > MAX_PROFILE_BYTES:
+            raise UserError(f"{path}: {Path(path).stat().st_size:,} bytes, expected {expected} of at most "
+                            f"{MAX_PROFILE_BYTES:,}")
+        text = Path(path).read_text(encoding="utf-8")
     try:
-        document = json.loads(Path(path).read_text())
-    except OSError as error:
-        raise UserError(f"cannot read cost profile {path}: {error.strerror}") from None
+        document = json.loads(text)
     except json.JSONDecodeError as error:
-        raise UserError(f"cost profile {path} is not valid JSON: {error.msg} at line {error.lineno}") from None
-    if not isinstance(document, dict) or document.get("servetune_cost_profile") != PROFILE_FORMAT:
-        raise UserError(f"{path} is not a servetune cost profile (format {PROFILE_FORMAT})")
+        raise UserError(f"{path}: line {error.lineno}, column {error.colno}: not valid JSON ({error.msg}), "
+                        f"expected {expected}") from None
+    except (ValueError, RecursionError):   # a number past Python's digit limit; nesting past its recursion limit
+        raise UserError(f"{path}: not JSON that Python reads (a number with too many digits, or nesting too "
+                        f"deep), expected {expected}") from None
+    if not isinstance(document, dict):
+        raise UserError(f"{path}: got a JSON {type(document).__name__}, expected {expected}: a JSON object")
+    if document.get("servetune_cost_profile") != PROFILE_FORMAT:
+        raise UserError(f"{path}: servetune_cost_profile: got {_show(document.get('servetune_cost_profile'))}, "
+                        f"expected {PROFILE_FORMAT}: {expected}")
     values = document.get("calibration")
-    expected = {field.name for field in dataclasses.fields(Calibration)}
-    if not isinstance(values, dict) or set(values) != expected:
-        raise UserError(f"{path}: 'calibration' must give exactly {', '.join(sorted(expected))}")
-    if not all(isinstance(v, (int, float)) and v > 0 for v in values.values()):
-        raise UserError(f"{path}: every calibration value must be a positive number")
+    names = [field.name for field in dataclasses.fields(Calibration)]
+    if not isinstance(values, dict) or set(values) != set(names):
+        shown = sorted(values) if isinstance(values, dict) else values
+        raise UserError(f"{path}: calibration: got {_show(shown)}, expected an object of exactly "
+                        f"{', '.join(sorted(names))}")
+    for name in names:
+        expectation, holds = _value_rule(name)
+        value = values[name]
+        if type(value) not in (int, float) or not holds(value):   # NaN holds no rule
+            raise UserError(f"{path}: calibration.{name}: got {_show(value)}, expected {expectation}")
     return Calibration.from_dict(values), document
+
+
+def _show(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:60] + "..."

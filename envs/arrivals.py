@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, Optional
 
 import numpy as np
 
-from servetune.config import WorkloadConfig
-from servetune.errors import TraceError, reading_user_file
+from servetune.config import MAX_CLOCK_S, MAX_NUM_REQUESTS, MAX_RATE, WorkloadConfig
+from servetune.errors import ConfigError, TraceError, reading_user_file
 
 if TYPE_CHECKING:
     from servetune.envs.workload import Workload
@@ -86,6 +86,10 @@ def piecewise_arrivals(cfg: WorkloadConfig, rng: np.random.Generator) -> Arrival
     cumulative = np.concatenate([[0.0], np.cumsum(rates[:-1] * np.diff(starts_s))])
     ended = ""
     if cfg.num_requests is None:
+        if cumulative[-1] > MAX_NUM_REQUESTS:
+            raise ConfigError(f"workload.arrivals.profile: expects {cumulative[-1]:.4g} arrivals before its last rate "
+                              f"0, expected at most {MAX_NUM_REQUESTS:,} (set workload.num_requests, or lower the "
+                              "rates or rate_scale)")
         unit_times = _unit_arrivals_before(rng, cumulative[-1])
     else:
         unit_times = np.cumsum(rng.standard_exponential(cfg.num_requests))
@@ -189,9 +193,10 @@ def read_servegen_trace(path) -> list[ServegenWindow]:
                 start_text, rate_text, cv_text, family, shape_text, scale_text = (text.strip() for text in record)
                 previous = windows[-1].start_s if windows else -math.inf
                 start = _servegen_number(start_text, where, "window_start_s",
-                                         f"a number of seconds ≥ 0, after the previous row's {previous:g}",
-                                         lambda value: value >= 0 and value > previous)
-                rate = _servegen_number(rate_text, where, "rate", "a number ≥ 0", lambda value: value >= 0)
+                                         f"a number of seconds in [0, {MAX_CLOCK_S:g}], after the previous row's "
+                                         f"{previous:g}", lambda value: 0 <= value <= MAX_CLOCK_S and value > previous)
+                rate = _servegen_number(rate_text, where, "rate", f"a number in [0, {MAX_RATE:g}]",
+                                        lambda value: 0 <= value <= MAX_RATE)
                 _servegen_number(cv_text, where, "cv", "a number ≥ 0", lambda value: value >= 0)
                 if family not in GAP_FAMILIES and not (family == "" and rate == 0):
                     raise TraceError(f"{where}: distribution: got {family[:40]!r}, expected one of "
@@ -210,7 +215,7 @@ def read_servegen_trace(path) -> list[ServegenWindow]:
 
 
 def _stationary_renewal(rng: np.random.Generator, family: _GapFamily, shape: float, mean_gap_s: float,
-                        length_s: float) -> np.ndarray:
+                        length_s: float, where: str) -> np.ndarray:
     """Arrival times in [0, length_s) of a renewal process already running when the window opens.
 
     The first arrival is a uniform fraction of the straddling gap, the process's equilibrium delay, so the
@@ -221,10 +226,16 @@ def _stationary_renewal(rng: np.random.Generator, family: _GapFamily, shape: flo
     pieces = [np.array([first])]
     last = first
     batch = int(length_s / mean_gap_s) + 1   # the expected count; another batch follows when it falls short
+    drawn = 1
     while last < length_s:
+        if drawn > MAX_NUM_REQUESTS:
+            # A shape so far from the data's (ServeGen fits 0.01 and up) that nearly every gap rounds to 0.
+            raise TraceError(f"{where}: shape: got {shape:g}, expected gaps that end the window within "
+                             f"{MAX_NUM_REQUESTS:,} arrivals (nearly all of this shape's gaps are 0 s)")
         more = last + np.cumsum(family.gaps(rng, shape, mean_gap_s, batch))
         pieces.append(more)
         last = more[-1]
+        drawn += batch
     times = np.concatenate(pieces)
     return times[times < length_s]
 
@@ -254,8 +265,14 @@ def servegen_arrivals(cfg: WorkloadConfig, rng: np.random.Generator) -> Arrivals
         if rate == 0:
             continue
         start_s = window.start_s / arrivals.time_scale
+        expected = rate * (end_s - window.start_s) / arrivals.time_scale
+        if expected > MAX_NUM_REQUESTS:
+            raise ConfigError(f"workload.arrivals.rate_scale: got {arrivals.rate_scale:g}, expected a scale at which "
+                              f"each window of {arrivals.path} brings at most {MAX_NUM_REQUESTS:,} requests (its "
+                              f"window at {window.start_s:g} s would bring {expected:.4g})")
         within = _stationary_renewal(rng, GAP_FAMILIES[window.family], window.shape, 1.0 / rate,
-                                     end_s / arrivals.time_scale - start_s)
+                                     end_s / arrivals.time_scale - start_s,
+                                     f"{arrivals.path}: the window at {window.start_s:g} s")
         pieces.append(start_s + within)
         count += len(within)
     arrival_s = np.concatenate(pieces)[:cfg.num_requests] if pieces else np.zeros(0)

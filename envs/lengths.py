@@ -5,8 +5,8 @@ returns prompt and output token counts (int64, each >= 1) with a description. A 
 one function and one entry in the table. The ``trace`` kind has no sampler: it keeps the counts a replayed
 trace carries (see ``build_workload``).
 
-Counts may exceed the engine's int32 limit (a long log-normal tail): ``build_workload`` cuts them, with
-``max_model_len``, and counts every request it cuts.
+Counts may exceed the engine's limit (``MAX_TOKEN_COUNT``; a long log-normal tail): ``build_workload`` cuts
+them, with ``max_model_len``, and counts every request it cuts.
 """
 from __future__ import annotations
 
@@ -18,11 +18,8 @@ from typing import Callable
 
 import numpy as np
 
-from servetune.config import LengthsConfig
+from servetune.config import MAX_TOKEN_COUNT, LengthsConfig
 from servetune.errors import TraceError, reading_user_file
-
-# Token counts live in the engine's int32 arrays.
-MAX_TOKEN_COUNT = 2**31 - 1
 
 # A log-normal draw is rounded in float64 and then made an integer; above 2**53 floats skip integers and
 # beyond int64 the cast is undefined. Anything above MAX_TOKEN_COUNT is cut later anyway.

@@ -17,9 +17,9 @@ one parser and one entry:
   reusable KV prefix. The ids go to the workload's ragged block-hash arrays. Other keys are ignored; a
   misspelt required key is reported missing.
 
-Every format follows the same input rules: token counts are integers in [1, 2**31 - 1]; timestamps are
-finite, >= 0 and non-decreasing; a request's optional fields are as described above; a CSV header names
-each column it is read for once. A file that breaks a rule raises ``TraceError`` naming the file, the row
+Every format follows the same input rules, the engine's bounds (servetune/config.py): token counts are integers
+in [1, MAX_TOKEN_COUNT]; timestamps are finite, >= 0, non-decreasing and span at most MAX_CLOCK_S seconds; a
+request's optional fields are as described above; a CSV header names each column it is read for once. A file that breaks a rule raises ``TraceError`` naming the file, the row
 (CSV) or line (JSONL), the field, the text found and what was expected -- never a half-read workload.
 
 ``block_reuse_rate`` measures how much of a block-hashed workload's prompts an unlimited prefix cache holds.
@@ -41,7 +41,7 @@ from typing import Any, Callable, Union
 
 import numpy as np
 
-from servetune.envs.lengths import MAX_TOKEN_COUNT
+from servetune.config import MAX_CLOCK_S, MAX_TOKEN_COUNT
 from servetune.envs.workload import NO_PREFIX, Workload
 from servetune.errors import TraceError, reading_user_file
 
@@ -97,6 +97,8 @@ class _CsvLayout:
     read_timestamp: Callable[[str], Timestamp]   # raises ValueError when the text is not a valid timestamp
     timestamp_expectation: str
     to_arrival_s: Callable[[list], np.ndarray]   # the timestamps as read -> arrival_s
+    # (first timestamp, a later one) -> that one's second on the replay's clock, which MAX_CLOCK_S bounds
+    clock_s: Callable[[Timestamp, Timestamp], float]
     optional_columns: tuple[_OptionalColumn, ...] = ()
     other_columns_allowed: bool = True
 
@@ -107,7 +109,7 @@ class _CsvLayout:
 
 def _read_seconds(text: str) -> float:
     seconds = float(text)
-    if not (math.isfinite(seconds) and seconds >= 0):
+    if not 0 <= seconds <= MAX_CLOCK_S:   # NaN fails too
         raise ValueError(text)
     return seconds
 
@@ -144,7 +146,8 @@ def _seconds_as_given(timestamps: list) -> np.ndarray:
 
 
 def _seconds_since_first(timestamps_ns: list) -> np.ndarray:
-    # Nanoseconds since year 1 overflow int64, so subtract the first in Python integers before converting.
+    # Nanoseconds since year 1 overflow int64, so subtract the first in Python integers before converting
+    # (the span is checked against MAX_CLOCK_S as the rows are read, so the offsets fit).
     first = timestamps_ns[0]
     offsets_ns = np.fromiter((t - first for t in timestamps_ns), dtype=np.int64, count=len(timestamps_ns))
     return offsets_ns / _NS_PER_S
@@ -152,7 +155,7 @@ def _seconds_since_first(timestamps_ns: list) -> np.ndarray:
 
 _INTEGER = re.compile(r"[0-9]+")
 _SIGNED_INTEGER = re.compile(r"-?[0-9]+")
-# Priorities and prefix ids, like token counts, live in the engine's int32 arrays.
+# Priorities and prefix ids live in int32 arrays.
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 
@@ -201,8 +204,9 @@ PROCESSED = _CsvLayout(
     prompt_column="num_prefill_tokens",
     output_column="num_decode_tokens",
     read_timestamp=_read_seconds,
-    timestamp_expectation="a finite number of seconds ≥ 0",
+    timestamp_expectation=f"a number of seconds in [0, {MAX_CLOCK_S:g}]",
     to_arrival_s=_seconds_as_given,
+    clock_s=lambda first, seconds: seconds,
 )
 
 AZURE = _CsvLayout(
@@ -213,6 +217,7 @@ AZURE = _CsvLayout(
     read_timestamp=_read_date_time_ns,
     timestamp_expectation="a date-time like 2023-11-16 18:15:46.6805900",
     to_arrival_s=_seconds_since_first,
+    clock_s=lambda first_ns, timestamp_ns: (timestamp_ns - first_ns) / _NS_PER_S,
 )
 
 SERVETUNE = _CsvLayout(
@@ -223,6 +228,7 @@ SERVETUNE = _CsvLayout(
     read_timestamp=_read_seconds,
     timestamp_expectation=PROCESSED.timestamp_expectation,
     to_arrival_s=_seconds_as_given,
+    clock_s=PROCESSED.clock_s,
     optional_columns=(
         _OptionalColumn("tenant", _read_tenant, "a tenant name (not empty)", _tenant_fields),
         _OptionalColumn("priority", _read_priority, f"an integer in [{_INT32_MIN}, {_INT32_MAX}]",
@@ -306,6 +312,13 @@ def _read_rows(reader, path: Path, layout: _CsvLayout) -> tuple[list, list[int],
             raise TraceError(
                 f"{where()}: {layout.timestamp_column}: got {timestamp_text}, expected ≥ the previous row's "
                 f"{previous_text} (timestamps must be non-decreasing)"
+            )
+        if not timestamps:
+            first_timestamp, first_text = timestamp, timestamp_text
+        if layout.clock_s(first_timestamp, timestamp) > MAX_CLOCK_S:
+            raise TraceError(
+                f"{where()}: {layout.timestamp_column}: got {_show(timestamp_text)}, expected at most "
+                f"{MAX_CLOCK_S:g} s after the first row's {first_text} (the simulated clock's range)"
             )
         previous_timestamp, previous_text = timestamp, timestamp_text
         values = []
@@ -397,6 +410,8 @@ def _read_mooncake_request(line: str, where: str) -> tuple[float, int, int, list
         ) from None
     except ValueError:   # an integer past Python's digit limit
         raise TraceError(f"{where}: a number with too many digits; expected one JSON object per line") from None
+    except RecursionError:   # the decoder recurses into nested arrays and objects
+        raise TraceError(f"{where}: JSON nested too deeply; expected one flat JSON object per line") from None
     if type(request) is not dict:
         raise TraceError(
             f"{where}: got {_show_json(request)}, expected a JSON object with the fields "
@@ -448,6 +463,11 @@ def _read_mooncake_trace(path: Path) -> Workload:
             raise TraceError(
                 f"{where}: timestamp: got {_show_milliseconds(milliseconds)}, expected ≥ the previous request's "
                 f"{_show_milliseconds(timestamps_ms[-1])} (timestamps must be non-decreasing)"
+            )
+        if timestamps_ms and milliseconds - timestamps_ms[0] > MAX_CLOCK_S * 1000:
+            raise TraceError(
+                f"{where}: timestamp: got {_show_milliseconds(milliseconds)}, expected at most {MAX_CLOCK_S * 1000:g} "
+                f"ms after the first request's {_show_milliseconds(timestamps_ms[0])} (the simulated clock's range)"
             )
         timestamps_ms.append(milliseconds)
         prompt_tokens.append(prompt)

@@ -13,9 +13,12 @@ from typing import Optional
 
 import numpy as np
 
-from servetune.config import LengthsConfig, SessionsConfig, TenantConfig, WorkloadConfig
+from servetune.config import (
+    MAX_CLOCK_S, MAX_TOKEN_COUNT, MAX_WORKLOAD_TOKENS, LengthsConfig, SessionsConfig, TenantConfig, WorkloadConfig,
+)
 from servetune.envs.arrivals import ARRIVAL_SOURCES, Arrivals
-from servetune.envs.lengths import LENGTH_SAMPLERS, MAX_TOKEN_COUNT
+from servetune.envs.lengths import LENGTH_SAMPLERS
+from servetune.errors import ConfigError, in_config
 
 NO_PREFIX = -1
 
@@ -267,8 +270,37 @@ def _think_times(sessions: SessionsConfig, n: int, rng: np.random.Generator) -> 
     return draws
 
 
-def build_workload(cfg: WorkloadConfig) -> Workload:
-    """The workload a validated config describes; the same config (and seed) always gives the same arrays."""
+def _check_engine_range(workload: Workload, cfg: WorkloadConfig) -> None:
+    """Refuse a workload the engine cannot hold: arrivals past its clock's range (a rate so low, or a scale so
+    slow, that they come after MAX_CLOCK_S) or more tokens than its int32 counters take. Only the drawn workload
+    tells, so this runs on it rather than on the config."""
+    late = np.flatnonzero(~(workload.arrival_s <= MAX_CLOCK_S))
+    if len(late):
+        first = int(late[0])
+        key = f"workload.tenants[{workload.tenant[first]}].arrivals" if cfg.tenant_arrivals else "workload.arrivals"
+        raise ConfigError(
+            f"{key}: request {first + 1} of {workload.num_requests} arrives at {workload.arrival_s[first]:.4g} s, "
+            f"expected every arrival within {MAX_CLOCK_S:g} s of simulated time (the engine's clock); raise the "
+            f"rate or rate_scale, or lower workload.num_requests")
+    tokens = int(workload.prompt_tokens.sum() + workload.output_tokens.sum())
+    if tokens > MAX_WORKLOAD_TOKENS:
+        raise ConfigError(
+            f"workload: {workload.num_requests:,} requests of {tokens:,} prompt and output tokens in all, "
+            f"expected at most {MAX_WORKLOAD_TOKENS:,} (the engine counts a run's tokens in int32); lower "
+            f"workload.num_requests or the lengths")
+
+
+def build_workload(cfg: WorkloadConfig, source: Optional[str] = None) -> Workload:
+    """The workload a validated config describes; the same config (and seed) always gives the same arrays.
+    ``source`` (the config's file) starts the message of a ``ConfigError`` when the drawn workload is beyond
+    the engine's range."""
+    with in_config(source):
+        workload = _build_workload(cfg)
+        _check_engine_range(workload, cfg)
+    return workload
+
+
+def _build_workload(cfg: WorkloadConfig) -> Workload:
     # One generator, drawn in a fixed order: arrivals, tenants, lengths, prefix groups, and the length
     # predictor's normals last, so a seed fixes the whole workload and a workload without tenants or a
     # predictor draws exactly what it did before those existed.

@@ -9,6 +9,28 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+# ---------------------------------------------------------------------------------------------------------
+# What the engine's numbers hold (envs/engine.py). Token and block counts are int32 and the engine adds them up
+# (a request's tokens and its blocks, a step's budget, the contexts of a batch, a tenant's service over a run);
+# times are float32, the clock and arrivals a float32 pair good to about t / 2^48. The config loader and the
+# trace readers refuse anything beyond these bounds, so no sum wraps and the clock keeps its resolution.
+
+MAX_TOKEN_COUNT = 2**24        # one request's prompt or output tokens, and max_model_len (16.8M: a 10M-token
+                               # context fits): a request, a step's budget and a block's rounding stay below 2^26
+MAX_KV_TOKENS = 2**28          # num_kv_blocks * block_size: the cache bounds every sum of contexts the engine forms
+MAX_NUM_SEQS = 2**16           # running requests, and static batches (the slot table is the power of two above)
+MAX_NUM_REQUESTS = 10**7       # requests in a workload, and the counts derived from them (queue limits, bursts)
+# A workload's prompt and output tokens in all: the engine counts a tenant's service (a decode token counts
+# twice) in int32 against a sentinel of 2^30 (engine.NO_LIMIT), which leaves room to recompute every token once.
+MAX_WORKLOAD_TOKENS = 2**28
+MAX_CLOCK_S = 1e8              # seconds of simulated time (3 years; a week-long trace is 6e5): the clock's pair
+                               # then resolves 0.4 us
+MAX_RATE = 1e6                 # requests per second
+MIN_RATE = 1e-6                # requests per second, and the smallest rate or time scale: below it nothing arrives
+                               # within MAX_CLOCK_S
+MAX_SCALE = 1e6                # rate_scale and time_scale
+MAX_SEED = 2**32 - 1           # NumPy's and Optuna's seeds are 32-bit
+
 
 @dataclass(frozen=True)
 class HardwareConfig:
@@ -100,7 +122,8 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     block_size: int = 16
-    num_kv_blocks: Optional[int] = 8192    # vLLM's num_gpu_blocks: block 0 is its null block, so one fewer usable
+    num_kv_blocks: Optional[int] = None    # vLLM's num_gpu_blocks (block 0 is its null block, so one fewer usable);
+                                           # null: derived from the model, GPU, TP and gpu_memory_utilization
     watermark: float = 0.0
     max_num_queued_reqs: Optional[int] = None   # vLLM's API server refuses arrivals beyond this many unfinished
     max_model_len: Optional[int] = None    # prompts this long are refused at arrival, outputs cut to fit; null:
@@ -117,7 +140,10 @@ class SchedulerConfig:
     @property
     def usable_kv_blocks(self) -> int:
         """Blocks requests can hold: vLLM's block pool keeps block 0 back as its null block
-        (vllm/v1/core/block_pool.py)."""
+        (vllm/v1/core/block_pool.py). Only on a resolved config (servetune.pipeline.resolve), whose
+        num_kv_blocks is a number."""
+        if self.num_kv_blocks is None:
+            raise ValueError("scheduler.num_kv_blocks is derived when the config resolves; resolve it first")
         return self.num_kv_blocks - 1
 
     @property

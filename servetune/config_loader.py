@@ -1,12 +1,15 @@
 """Load a YAML config into a validated ``Config``, or fail with one line that says what to fix.
 
-Validation is driven by the dataclasses in ``servetune.config``: their fields are the keys allowed (an
-unknown key is an error, with a "did you mean" suggestion), their type hints the types, their defaults fill
-omitted keys. On top of the types, ``FIELD_RANGES`` and ``FIELD_CHOICES`` bound single fields, and the
-per-kind rules (``ARRIVAL_RULES``, ``LENGTH_RULES``), the tenants' rule and ``_check_cross_field`` relate fields to
-each other.
+Before anything is built, the YAML is walked for what it expands to (``MAX_CONFIG_*``: alias bombs, runaway
+strings and deep nesting are refused). Validation is driven by the dataclasses in ``servetune.config``: their
+fields are the keys allowed (an unknown key is an error, with a "did you mean" suggestion), their type hints the
+types, their defaults fill omitted keys. On top of the types, ``FIELD_RANGES`` (the engine's bounds, so that no
+count wraps and the clock keeps its resolution) and ``FIELD_CHOICES`` bound single fields, and the per-kind rules
+(``ARRIVAL_RULES``, ``LENGTH_RULES``), the tenants' rule and ``_check_cross_field`` relate fields to each other,
+refusing fields the config's settings would not read. Every config's model and GPU are checked as vLLM checks
+them (the model exists, TP shards its heads, its weights leave room for the KV cache), whatever its cost model.
 A new arrival or length kind is one entry in its rule table. vLLM's start-up rules read the KV-cache size, which
-may be derived from the model and GPU, so ``check_vllm_would_start`` applies them once the config is resolved.
+may be derived from the model and GPU, so ``servetune.pipeline.resolve`` applies them once the config is resolved.
 
 Every message reads ``<source>: <dotted.key>: got <value>, expected <what>``, plus the ``--set`` override
 responsible when there is one.
@@ -25,13 +28,17 @@ from typing import Any, Callable, Optional, Sequence, Union
 import yaml
 
 from servetune.config import (
-    STEERABLE_KNOBS, ArrivalsConfig, Config, KnobConfig, LengthsConfig, RlConfig, SchedulerConfig, SearchConfig,
-    SloConfig, TenantConfig, WorkloadConfig,
+    MAX_CLOCK_S, MAX_KV_TOKENS, MAX_NUM_REQUESTS, MAX_NUM_SEQS, MAX_RATE, MAX_SCALE, MAX_SEED,
+    MAX_TOKEN_COUNT, MIN_RATE, STEERABLE_KNOBS, ArrivalsConfig, Config, CostModelConfig, KnobConfig, LengthsConfig,
+    RlConfig, SchedulerConfig, SearchConfig, SloConfig, TenantConfig, WorkloadConfig,
 )
-from servetune.envs.lengths import MAX_TOKEN_COUNT, LognormalSpec
+from servetune.cost_models.catalog import as_config_fields, resolve_gpu, resolve_model
+from servetune.cost_models.memory import KvCapacity, kv_capacity
+from servetune.cost_models.models import heads_per_gpu
+from servetune.envs.lengths import LognormalSpec
 from servetune.envs.queue_order import FEATURES
 from servetune.envs.traces import TRACE_PARSERS
-from servetune.errors import ConfigError, UserError, reading_user_file
+from servetune.errors import ConfigError, InvalidValue, UserError, reading_user_file
 from servetune.search.objectives import OBJECTIVES, parse_objectives
 
 # `Config.source` records where a config came from; it is not something a user writes.
@@ -55,82 +62,108 @@ class Range:
 
     def describe(self) -> str:
         if self.high is None:
-            return f"{'>' if self.low_open else '≥'} {self.low}"
+            return f"{'>' if self.low_open else '≥'} {_number_text(self.low)}"
         if self.low is None:
-            return f"{'<' if self.high_open else '≤'} {self.high}"
-        return f"in {'(' if self.low_open else '['}{self.low}, {self.high}{')' if self.high_open else ']'}"
+            return f"{'<' if self.high_open else '≤'} {_number_text(self.high)}"
+        return (f"in {'(' if self.low_open else '['}{_number_text(self.low)}, {_number_text(self.high)}"
+                f"{')' if self.high_open else ']'}")
+
+
+def _number_text(number: float) -> str:
+    """A bound as a user would write it: whole numbers in full (16777216), others short (1e-06, 1e+08)."""
+    if isinstance(number, float) and (not number.is_integer() or abs(number) >= 1e6):
+        return f"{number:g}"
+    return str(int(number))
 
 
 AT_LEAST_ONE = Range(low=1)
 NON_NEGATIVE = Range(low=0)
 POSITIVE = Range(low=0, low_open=True)
+# The engine's bounds (servetune/config.py) as ranges.
+TOKEN_COUNT = Range(low=1, high=MAX_TOKEN_COUNT)
+TOKENS_OR_NONE = Range(low=0, high=MAX_TOKEN_COUNT)
+SECONDS = Range(low=0, high=MAX_CLOCK_S, low_open=True)
+SECONDS_OR_NONE = Range(low=0, high=MAX_CLOCK_S)
+MILLISECONDS = Range(low=0, high=MAX_CLOCK_S * 1000, low_open=True)
+RATE = Range(low=MIN_RATE, high=MAX_RATE)
+SCALE = Range(low=MIN_RATE, high=MAX_SCALE)
+REQUESTS = Range(low=1, high=MAX_NUM_REQUESTS)
+SEED = Range(low=0, high=MAX_SEED)   # NumPy's default_rng takes no negative seeds
+FRACTION = Range(low=0, high=1, low_open=True)
+# A step costs at most an hour, and a token or a context token a second: far beyond any GPU, within float32.
+STEP_SECONDS = Range(low=0, high=3600)
+TOKEN_SECONDS = Range(low=0, high=1)
+# A log-normal spread of e^20 per standard deviation already spans every length there is.
+LOG_SPREAD = Range(low=0, high=20)
 
 FIELD_RANGES: dict[str, Range] = {
-    "hardware.tp": AT_LEAST_ONE,
-    "hardware.gpu_memory_utilization": Range(low=0, high=1, low_open=True),
-    "cost_model.base_s": NON_NEGATIVE,
-    "cost_model.per_token_s": NON_NEGATIVE,
-    "cost_model.per_context_token_s": NON_NEGATIVE,
-    "workload.arrivals.rate": POSITIVE,
-    "workload.arrivals.rate_scale": POSITIVE,
-    "workload.arrivals.cv": POSITIVE,
-    "workload.arrivals.on_s": POSITIVE,
-    "workload.arrivals.off_s": NON_NEGATIVE,
-    "workload.arrivals.time_scale": POSITIVE,
-    "workload.arrivals.window_start_s": NON_NEGATIVE,
-    "workload.arrivals.window_s": POSITIVE,
-    "workload.arrivals.jitter_s": NON_NEGATIVE,
-    "workload.max_model_len": Range(low=2),
-    "workload.lengths.prompt_tokens.median": Range(low=1, high=MAX_TOKEN_COUNT),
-    "workload.lengths.prompt_tokens.sigma": NON_NEGATIVE,
-    "workload.lengths.output_tokens.median": Range(low=1, high=MAX_TOKEN_COUNT),
-    "workload.lengths.output_tokens.sigma": NON_NEGATIVE,
-    "workload.tenants.share": POSITIVE,
+    "hardware.tp": Range(low=1, high=1024),
+    "hardware.gpu_memory_utilization": FRACTION,
+    "cost_model.base_s": STEP_SECONDS,
+    "cost_model.per_token_s": TOKEN_SECONDS,
+    "cost_model.per_context_token_s": TOKEN_SECONDS,
+    "workload.arrivals.rate": RATE,
+    "workload.arrivals.rate_scale": SCALE,
+    "workload.arrivals.cv": Range(low=1e-3, high=1e3),
+    "workload.arrivals.on_s": SECONDS,
+    "workload.arrivals.off_s": SECONDS_OR_NONE,
+    "workload.arrivals.time_scale": SCALE,
+    "workload.arrivals.window_start_s": SECONDS_OR_NONE,
+    "workload.arrivals.window_s": SECONDS,
+    "workload.arrivals.jitter_s": SECONDS_OR_NONE,
+    "workload.max_model_len": Range(low=2, high=MAX_TOKEN_COUNT),
+    "workload.lengths.prompt_tokens.median": TOKEN_COUNT,
+    "workload.lengths.prompt_tokens.sigma": LOG_SPREAD,
+    "workload.lengths.output_tokens.median": TOKEN_COUNT,
+    "workload.lengths.output_tokens.sigma": LOG_SPREAD,
+    "workload.tenants.share": Range(low=0, high=1e6, low_open=True),
+    "workload.tenants.priority": Range(low=-(2**31), high=2**31 - 1),   # the trace readers' int32 range
     "workload.tenants.prefix_tokens": Range(low=0, high=MAX_TOKEN_COUNT - 1),
-    "workload.tenants.prefix_groups": AT_LEAST_ONE,
-    "workload.tenants.max_rate": POSITIVE,
-    "workload.tenants.max_burst": AT_LEAST_ONE,
-    "workload.num_requests": AT_LEAST_ONE,
-    "workload.sessions.calls": AT_LEAST_ONE,
-    "workload.seed": NON_NEGATIVE,   # numpy's default_rng takes no negative seeds
-    "scheduler.max_num_seqs": AT_LEAST_ONE,
-    "scheduler.max_num_batched_tokens": AT_LEAST_ONE,
-    "scheduler.long_prefill_token_threshold": NON_NEGATIVE,
-    "scheduler.block_size": AT_LEAST_ONE,
-    "scheduler.num_kv_blocks": AT_LEAST_ONE,
+    "workload.tenants.prefix_groups": REQUESTS,
+    "workload.tenants.max_rate": RATE,
+    "workload.tenants.max_burst": REQUESTS,
+    "workload.num_requests": REQUESTS,
+    "workload.sessions.calls": REQUESTS,
+    "workload.seed": SEED,
+    "scheduler.max_num_seqs": Range(low=1, high=MAX_NUM_SEQS),
+    "scheduler.max_num_batched_tokens": TOKEN_COUNT,
+    "scheduler.long_prefill_token_threshold": TOKENS_OR_NONE,
+    "scheduler.block_size": TOKEN_COUNT,
+    "scheduler.num_kv_blocks": Range(low=1, high=MAX_KV_TOKENS),
     "scheduler.watermark": Range(low=0, high=1, high_open=True),
-    "scheduler.max_num_queued_reqs": NON_NEGATIVE,
-    "scheduler.max_model_len": Range(low=2),   # a prompt token and an output token
-    "scheduler.batch_size": AT_LEAST_ONE,
-    "scheduler.max_wait_s": NON_NEGATIVE,
-    "scheduler.length_prediction_noise": NON_NEGATIVE,
-    "slo.ttft_ms": POSITIVE,
-    "slo.itl_ms": POSITIVE,
-    "slo.tpot_ms": POSITIVE,
-    "slo.e2el_ms": POSITIVE,
-    "slo.attainment_target": Range(low=0, high=1, low_open=True),
-    "simulation.horizon_s": POSITIVE,
-    "search.trials": AT_LEAST_ONE,
-    "search.batch_size": AT_LEAST_ONE,
-    "search.seed": NON_NEGATIVE,
-    "rl.interval_s": POSITIVE,
-    "rl.episode_s": POSITIVE,
-    "rl.num_workloads": AT_LEAST_ONE,
-    "rl.miss_penalty": NON_NEGATIVE,
-    "rl.timesteps": AT_LEAST_ONE,
-    "rl.num_envs": AT_LEAST_ONE,
-    "rl.num_steps": AT_LEAST_ONE,
-    "rl.update_epochs": AT_LEAST_ONE,
-    "rl.num_minibatches": AT_LEAST_ONE,
-    "rl.learning_rate": POSITIVE,
+    "scheduler.max_num_queued_reqs": Range(low=0, high=MAX_NUM_REQUESTS),
+    "scheduler.max_model_len": Range(low=2, high=MAX_TOKEN_COUNT),   # a prompt token and an output token
+    "scheduler.batch_size": Range(low=1, high=MAX_NUM_SEQS),
+    "scheduler.max_wait_s": SECONDS_OR_NONE,
+    "scheduler.length_prediction_noise": LOG_SPREAD,
+    "slo.ttft_ms": MILLISECONDS,
+    "slo.itl_ms": MILLISECONDS,
+    "slo.tpot_ms": MILLISECONDS,
+    "slo.e2el_ms": MILLISECONDS,
+    "slo.attainment_target": FRACTION,
+    "simulation.horizon_s": SECONDS,
+    "search.trials": REQUESTS,
+    "search.batch_size": Range(low=1, high=4096),
+    "search.seed": SEED,
+    "rl.interval_s": Range(low=1e-3, high=MAX_CLOCK_S),
+    "rl.episode_s": SECONDS,
+    "rl.num_workloads": Range(low=1, high=4096),
+    "rl.miss_penalty": Range(low=0, high=1e6),
+    "rl.timesteps": Range(low=1, high=10**12),
+    "rl.num_envs": Range(low=1, high=2**16),
+    "rl.num_steps": Range(low=1, high=2**16),
+    "rl.update_epochs": Range(low=1, high=10**4),
+    "rl.num_minibatches": Range(low=1, high=2**20),
+    "rl.learning_rate": FRACTION,
     "rl.gamma": Range(low=0, high=1),
     "rl.gae_lambda": Range(low=0, high=1),
-    "rl.clip_eps": POSITIVE,
-    "rl.ent_coef": NON_NEGATIVE,
-    "rl.vf_coef": NON_NEGATIVE,
-    "rl.max_grad_norm": POSITIVE,
-    "rl.seed": NON_NEGATIVE,
-    "rl.checkpoint_every": AT_LEAST_ONE,
+    "rl.clip_eps": Range(low=0, high=10, low_open=True),
+    "rl.ent_coef": Range(low=0, high=1e3),
+    "rl.vf_coef": Range(low=0, high=1e3),
+    "rl.max_grad_norm": Range(low=0, high=1e6, low_open=True),
+    "rl.log_std_init": Range(low=-20, high=5),   # the spread e^log_std must stay a float32 number above 0
+    "rl.seed": SEED,
+    "rl.checkpoint_every": Range(low=1, high=10**9),
 }
 
 FIELD_CHOICES: dict[str, tuple[str, ...]] = {
@@ -147,7 +180,6 @@ FIELD_CHOICES: dict[str, tuple[str, ...]] = {
 # Sections whose fields `search.knobs` may search: the engine's knobs and the hardware it runs on.
 SEARCHABLE_SECTIONS = ("scheduler", "hardware")
 
-_TOKEN_COUNT_RANGE = Range(low=1, high=MAX_TOKEN_COUNT)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -183,9 +215,67 @@ _ConfigYamlLoader.add_implicit_resolver(
 )
 
 
+# What a config may hold, so that a hostile file (a YAML alias bomb, a runaway string, deep nesting) is refused
+# before anything is built from it. A config holds some hundreds of values nested a few levels deep.
+MAX_CONFIG_BYTES = 4 * 2**20
+MAX_CONFIG_VALUES = 200_000   # every scalar and collection, counted as often as aliases repeat it
+MAX_CONFIG_DEPTH = 32
+MAX_TEXT_CHARS = 4096         # of one scalar (Linux's longest path), and of one --set
+
+
+class _TooLarge(Exception):
+    """What a config holds beyond MAX_CONFIG_*: ``(mark, problem)``."""
+
+
+def _check_expansion(text: str) -> None:
+    """Walk the YAML's events (PyYAML's parser keeps its own stack, so deep nesting cannot exhaust Python's)
+    and count the values the document expands to, aliases included, without building it; ``_TooLarge`` when it
+    passes a limit."""
+    sizes: dict[str, int] = {}    # anchor -> the values its node expands to
+    open_nodes: list[list] = []   # [anchor, values so far] of each collection being read
+    for event in yaml.parse(text, Loader=_ConfigYamlLoader):
+        if isinstance(event, yaml.ScalarEvent) and len(event.value) > MAX_TEXT_CHARS:
+            raise _TooLarge(event.start_mark, f"a value of {len(event.value):,} characters, expected at most "
+                                              f"{MAX_TEXT_CHARS:,}")
+        if isinstance(event, yaml.AliasEvent) and event.anchor not in sizes:
+            if any(anchor == event.anchor for anchor, _ in open_nodes):
+                raise _TooLarge(event.start_mark, f"*{event.anchor} repeats a collection inside itself, expected "
+                                                  "aliases to finished values only")
+            continue   # an undefined alias: composing the document reports it
+        if isinstance(event, (yaml.ScalarEvent, yaml.AliasEvent)):
+            values = 1 if isinstance(event, yaml.ScalarEvent) else sizes[event.anchor]
+            if isinstance(event, yaml.ScalarEvent) and event.anchor is not None:
+                sizes[event.anchor] = 1
+        elif isinstance(event, yaml.CollectionStartEvent):
+            open_nodes.append([event.anchor, 1])
+            if len(open_nodes) > MAX_CONFIG_DEPTH:
+                raise _TooLarge(event.start_mark, f"collections nested more than {MAX_CONFIG_DEPTH} deep, "
+                                                  f"expected at most {MAX_CONFIG_DEPTH}")
+            continue
+        elif isinstance(event, yaml.CollectionEndEvent):
+            anchor, values = open_nodes.pop()
+            if anchor is not None:
+                sizes[anchor] = values
+        else:
+            continue
+        if open_nodes:
+            open_nodes[-1][1] += values
+            values = open_nodes[-1][1]
+        if values > MAX_CONFIG_VALUES:
+            raise _TooLarge(event.start_mark, f"the config expands to more than {MAX_CONFIG_VALUES:,} values "
+                                              f"(aliases repeat what they name), expected at most "
+                                              f"{MAX_CONFIG_VALUES:,}")
+
+
 def _parse_yaml(text: str, source: str) -> Any:
+    if len(text) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{source}: {len(text):,} characters, expected a config of at most {MAX_CONFIG_BYTES:,}")
     try:
+        _check_expansion(text)
         return yaml.load(text, Loader=_ConfigYamlLoader)
+    except _TooLarge as error:
+        mark, problem = error.args
+        raise ConfigError(f"{source}: line {mark.line + 1}, column {mark.column + 1}: {problem}") from None
     except yaml.MarkedYAMLError as error:
         mark = error.problem_mark or error.context_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
@@ -224,6 +314,7 @@ def _as_yaml(value: Any) -> str:
 
 def _unknown_key(key: str, known: Sequence[str], parent: str) -> tuple[str, str]:
     """(the full dotted key, what is wrong with it, with a suggestion when one is close)."""
+    key = key if len(key) <= _SHOWN_CHARS else key[:_SHOWN_CHARS] + "..."
     full = f"{parent}.{key}" if parent else key
     close = difflib.get_close_matches(key, known, n=1)
     if close:
@@ -345,31 +436,45 @@ def _build_section(cls: type, data: Any, parent: str, report: _Reporter) -> Any:
 # Rules that relate fields: per arrival kind, per length kind, tenants, and across sections.
 
 # The optional arrival fields each kind reads, and their values when unset; setting one that the kind does
-# not read is an error rather than silently ignored. (`rate` is not among them: its default of 4.0 cannot be
-# told from a 4.0 written for a trace, and recorded configs hold it for every kind. `rate_scale` applies to
-# every kind.)
-_ARRIVAL_FIELD_UNSET = {"cv": None, "on_s": None, "off_s": None, "profile": None, "time_scale": 1.0, "path": None,
-                        "format": None, "window_start_s": 0.0, "window_s": None, "jitter_s": 0.0}
+# not read is an error rather than silently ignored. (`rate`'s default of 4.0 cannot be told from a 4.0
+# written for a trace, and recorded configs hold it for every kind, so only another value is refused there.
+# `rate_scale` applies to every kind.)
+_ARRIVAL_FIELD_UNSET = {"rate": ArrivalsConfig().rate, "cv": None, "on_s": None, "off_s": None, "profile": None,
+                        "time_scale": 1.0, "path": None, "format": None, "window_start_s": 0.0, "window_s": None,
+                        "jitter_s": 0.0}
 _ARRIVAL_FIELDS_READ = {
-    "poisson": (),
-    "gamma": ("cv",),
-    "onoff": ("on_s", "off_s"),
+    "poisson": ("rate",),
+    "gamma": ("rate", "cv"),
+    "onoff": ("rate", "on_s", "off_s"),
     "piecewise": ("profile", "time_scale"),
     "servegen": ("path", "time_scale"),
     "trace": ("path", "format", "window_start_s", "window_s", "jitter_s"),
 }
-_ARRIVAL_EXPECTATIONS = {"rate": "a number > 0", "cv": "a number > 0", "on_s": "a number > 0",
-                         "off_s": "a number ≥ 0", "path": "the path of a file"}
+_ARRIVAL_EXPECTATIONS = {name: f"a number {FIELD_RANGES[f'workload.arrivals.{name}'].describe()}"
+                         for name in ("rate", "cv", "on_s", "off_s")}
+_ARRIVAL_EXPECTATIONS["path"] = "the path of a file"
+
+
+def _unread_arrival_field(kind: str, name: str) -> Optional[str]:
+    """What a field of arrivals of this kind should be when the kind does not read it, or None when it does."""
+    if name in _ARRIVAL_FIELDS_READ[kind]:
+        return None
+    readers = [other for other, names in _ARRIVAL_FIELDS_READ.items() if name in names]
+    unset = "it left out" if name == "rate" else _show(_ARRIVAL_FIELD_UNSET[name])
+    return f"{unset} for {kind} arrivals ({name} is for {_and_join(readers)})"
 
 
 def _check_unused_arrival_fields(workload: WorkloadConfig, report: _Reporter) -> None:
     kind = workload.arrivals.kind
     for name, unset in _ARRIVAL_FIELD_UNSET.items():
         value = getattr(workload.arrivals, name)
-        if name not in _ARRIVAL_FIELDS_READ[kind] and value != unset:
-            readers = [other for other, names in _ARRIVAL_FIELDS_READ.items() if name in names]
-            raise report.bad_value(f"workload.arrivals.{name}", value,
-                                   f"{_show(unset)} for {kind} arrivals ({name} is for {' and '.join(readers)})")
+        expected = _unread_arrival_field(kind, name)
+        if expected and value != unset and not (name == "rate" and value is None):
+            raise report.bad_value(f"workload.arrivals.{name}", value, expected)
+
+
+def _and_join(words: Sequence[str]) -> str:
+    return " and ".join(words) if len(words) < 3 else f"{', '.join(words[:-1])} and {words[-1]}"
 
 
 def _require_arrival_fields(workload: WorkloadConfig, report: _Reporter, *names: str) -> None:
@@ -428,8 +533,11 @@ def _check_piecewise_arrivals(workload: WorkloadConfig, report: _Reporter, base_
             raise report.bad_value(where, segment, "a first segment starting at 0")
         if segments and start <= segments[-1][0]:
             raise report.bad_value(where, segment, f"a start after the previous segment's {segments[-1][0]:g}")
-        if rate < 0:
-            raise report.bad_value(where, segment, "a rate ≥ 0")
+        if start > MAX_CLOCK_S:
+            raise report.bad_value(where, segment, f"a start in [0, {_number_text(MAX_CLOCK_S)}] s (the simulated "
+                                                   "clock's range)")
+        if not (rate == 0 or RATE.contains(rate)):
+            raise report.bad_value(where, segment, f"a rate of 0 or {RATE.describe()}")
         segments.append((start, rate))
     if not any(rate > 0 for _, rate in segments):
         raise report.bad_value(key, profile, "at least one segment with a rate > 0")
@@ -471,7 +579,7 @@ GENERATED_LENGTH_KINDS = ("fixed", "uniform", "geometric", "lognormal", "empiric
 
 
 def _is_token_count(value: Any) -> bool:
-    return _has_type(value, int) and _TOKEN_COUNT_RANGE.contains(value)
+    return _has_type(value, int) and TOKEN_COUNT.contains(value)
 
 
 def _check_fixed_lengths(lengths: LengthsConfig, arrivals_kind: str, report: _Reporter,
@@ -480,14 +588,14 @@ def _check_fixed_lengths(lengths: LengthsConfig, arrivals_kind: str, report: _Re
         value = getattr(lengths, name)
         if not _is_token_count(value):
             raise report.bad_value(
-                f"workload.lengths.{name}", value, f"an integer {_TOKEN_COUNT_RANGE.describe()} for fixed lengths"
+                f"workload.lengths.{name}", value, f"an integer {TOKEN_COUNT.describe()} for fixed lengths"
             )
     return lengths
 
 
 def _check_uniform_lengths(lengths: LengthsConfig, arrivals_kind: str, report: _Reporter,
                            base_dir: Path) -> LengthsConfig:
-    expected = f"[low, high] for uniform lengths: integers {_TOKEN_COUNT_RANGE.describe()} with low ≤ high"
+    expected = f"[low, high] for uniform lengths: integers {TOKEN_COUNT.describe()} with low ≤ high"
     ranges = {}
     for name in ("prompt_tokens", "output_tokens"):
         value = getattr(lengths, name)
@@ -503,9 +611,9 @@ def _check_geometric_lengths(lengths: LengthsConfig, arrivals_kind: str, report:
     means = {}
     for name in ("prompt_tokens", "output_tokens"):
         value = getattr(lengths, name)
-        if not (_has_type(value, float) and _TOKEN_COUNT_RANGE.contains(value)):
+        if not (_has_type(value, float) and TOKEN_COUNT.contains(value)):
             raise report.bad_value(f"workload.lengths.{name}", value,
-                                   f"the mean, a number {_TOKEN_COUNT_RANGE.describe()}, for geometric lengths")
+                                   f"the mean, a number {TOKEN_COUNT.describe()}, for geometric lengths")
         means[name] = float(value)
     return dataclasses.replace(lengths, **means)
 
@@ -554,10 +662,26 @@ LENGTH_RULES: dict[str, Callable[[LengthsConfig, str, _Reporter, Path], LengthsC
 }
 
 
+# Length kinds that take their counts from a file: the counts' fields are unused, and refused when set.
+_FILE_LENGTH_KINDS = {"empirical": "the sample", "trace": "the trace"}
+
+
+def _unread_length_field(kind: str) -> Optional[str]:
+    """What prompt_tokens and output_tokens should be for lengths of this kind when it does not read them."""
+    if kind not in _FILE_LENGTH_KINDS:
+        return None
+    return f"it left out for {kind} lengths (the counts come from {_FILE_LENGTH_KINDS[kind]})"
+
+
 def _check_lengths(lengths: LengthsConfig, arrivals_kind: str, report: _Reporter, base_dir: Path) -> LengthsConfig:
     if lengths.kind != "empirical" and lengths.path is not None:
         raise report.bad_value("workload.lengths.path", lengths.path, f"null for {lengths.kind} lengths "
                                                                       "(path is for empirical lengths)")
+    for name in ("prompt_tokens", "output_tokens"):
+        # A recorded config holds the defaults for every kind: only another value is refused.
+        expected = _unread_length_field(lengths.kind)
+        if expected and getattr(lengths, name) != getattr(LengthsConfig(), name):
+            raise report.bad_value(f"workload.lengths.{name}", getattr(lengths, name), expected)
     return LENGTH_RULES[lengths.kind](lengths, arrivals_kind, report, base_dir)
 
 
@@ -732,13 +856,119 @@ def _check_cross_field(config: Config, report: _Reporter, base_dir: Path) -> Con
         raise report.bad_value("scheduler.async_scheduling", True,
                                "false or null with policy static (static batching has no vLLM engine to pipeline: "
                                "it is always synchronous)")
-    if config.cost_model.kind == "calibrated" and config.cost_model.profile is None:
-        raise report.bad_value("cost_model.profile", None, "a fitted profile for the calibrated cost model")
+    _check_cost_model(config, report, base_dir)
+    _check_unread_scheduler_fields(scheduler, report)
+    _check_model_and_hardware(config, report, base_dir)
     config = dataclasses.replace(config, scheduler=_check_queue_order(scheduler, report))
     config = dataclasses.replace(config, workload=_check_workload(config.workload, report, base_dir))
     _check_closed_loop_scheduler(config, report)
     config = dataclasses.replace(config, search=_check_search(config, report, base_dir))
     return dataclasses.replace(config, rl=_check_rl(config.rl, report))
+
+
+_LINEAR_COEFFICIENTS = ("base_s", "per_token_s", "per_context_token_s")
+
+
+def _unread_linear_coefficient(kind: str, name: str) -> Optional[str]:
+    return None if kind == "linear" else f"it left out for the {kind} cost model ({name} is the linear model's)"
+
+
+def _check_cost_model(config: Config, report: _Reporter, base_dir: Path) -> None:
+    """The linear coefficients are the linear model's and the profile the calibrated one's: set for another
+    kind they would do nothing, so they are refused (a recorded config holds the coefficients' defaults for
+    every kind: only another value is; ``_check_unread_keys`` refuses any a file writes). A calibrated profile
+    must be a readable profile."""
+    cost = config.cost_model
+    for name in _LINEAR_COEFFICIENTS:
+        expected = _unread_linear_coefficient(cost.kind, name)
+        if expected and getattr(cost, name) != getattr(CostModelConfig(), name):
+            raise report.bad_value(f"cost_model.{name}", getattr(cost, name), expected)
+    if cost.kind != "calibrated":
+        if cost.profile is not None:
+            raise report.bad_value("cost_model.profile", cost.profile, f"null for the {cost.kind} cost model "
+                                                                       "(profile is the calibrated model's)")
+        return
+    # Imported here: a profile is a roofline calibration, whose module needs JAX, which loading need not start.
+    from servetune.cost_models.profile import find_profile, load_profile
+
+    try:
+        with as_config_fields():
+            load_profile(find_profile(cost.profile, base_dir))
+    except InvalidValue as error:
+        raise report.bad_value(error.name, error.value, error.expected) from None
+    except UserError as error:   # a file that is no profile
+        raise report.error("cost_model.profile", str(error)) from None
+
+
+# The scheduler fields only static batching reads.
+_STATIC_ONLY_FIELDS = ("batch_size", "max_wait_s")
+# The queue orders that read the predicted output length (envs/queue_order.py's output_tokens feature).
+_PREDICTING_ORDERS = ("sjf", "weighted")
+
+
+def _unread_static_field(policy: str, name: str) -> Optional[str]:
+    return None if policy == "static" else f"it left out with policy {policy} ({name} is for static batching)"
+
+
+def _check_unread_scheduler_fields(scheduler: SchedulerConfig, report: _Reporter) -> None:
+    """Fields the policy or queue order does not read are refused, as the arrival fields are."""
+    for name in _STATIC_ONLY_FIELDS:
+        # A recorded config holds the defaults for every policy: only another value is refused.
+        expected = _unread_static_field(scheduler.policy, name)
+        if expected and getattr(scheduler, name) != getattr(SchedulerConfig(), name):
+            raise report.bad_value(f"scheduler.{name}", getattr(scheduler, name), expected)
+    if scheduler.length_prediction_noise and scheduler.queue_order not in _PREDICTING_ORDERS:
+        raise report.bad_value("scheduler.length_prediction_noise", scheduler.length_prediction_noise,
+                               f"0 with queue_order {scheduler.queue_order} (the noise is the length predictor's, "
+                               f"which only {' and '.join(_PREDICTING_ORDERS)} read)")
+
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The model and the GPU: what vLLM checks before it starts, for every config whatever its cost model and
+# whether or not it gives the KV cache's size.
+
+def _check_model_and_hardware(config: Config, report: _Reporter, base_dir: Path) -> None:
+    """The model and GPU exist, the TP shards the model's heads, the weights leave room for the KV cache, and
+    the cache (given, or as vLLM would size it) is one the GPU holds and the engine's counts take."""
+    hardware, scheduler = config.hardware, config.scheduler
+
+    def capacity_at(utilization: float) -> KvCapacity:
+        return kv_capacity(model, gpu, hardware.tp, utilization, scheduler.block_size,
+                           scheduler.max_num_batched_tokens, scheduler.max_num_seqs)
+
+    try:
+        with as_config_fields():
+            model = resolve_model(config.model, base_dir)
+            gpu = resolve_gpu(hardware.gpu)
+            heads_per_gpu(model, hardware.tp)
+            # vLLM refuses to start when the weights leave no room for the cache, whether or not its size is given.
+            capacity = capacity_at(hardware.gpu_memory_utilization)
+            most = None if scheduler.num_kv_blocks is None else capacity_at(1.0).num_kv_blocks
+    except InvalidValue as error:
+        raise report.bad_value(error.name, error.value, error.expected) from None
+    except UserError as error:   # the config.json the model names cannot be read, or describes no model
+        raise report.error("model", str(error)) from None
+    where = f"{model.name} leaves on {gpu.name} ×{hardware.tp}"
+    if scheduler.num_kv_blocks is None:
+        if capacity.token_capacity > MAX_KV_TOKENS:
+            raise report.bad_value("scheduler.num_kv_blocks", None,
+                                   f"a number of blocks: the {capacity.num_kv_blocks:,} that {where} hold "
+                                   f"{capacity.token_capacity:,} tokens, more than the engine's {MAX_KV_TOKENS:,}")
+    elif scheduler.num_kv_blocks * scheduler.block_size > MAX_KV_TOKENS:
+        raise report.bad_value("scheduler.num_kv_blocks", scheduler.num_kv_blocks,
+                               f"at most {MAX_KV_TOKENS // scheduler.block_size:,} blocks of block_size "
+                               f"{scheduler.block_size}: the engine takes at most {MAX_KV_TOKENS:,} KV tokens")
+    elif scheduler.num_kv_blocks > most:
+        raise report.bad_value("scheduler.num_kv_blocks", scheduler.num_kv_blocks,
+                               f"at most {most:,}: that is what {where} with all of its memory, so vLLM could not "
+                               "allocate more")
+    context = model.max_model_len
+    if scheduler.max_model_len is None and config.workload.max_model_len is None and context is not None \
+            and context > MAX_TOKEN_COUNT:
+        raise report.bad_value("scheduler.max_model_len", None,
+                               f"a length ≤ {MAX_TOKEN_COUNT:,}: unset it is {model.name}'s context, "
+                               f"{context:,} tokens, beyond the engine's token counts")
 
 
 WEIGHTS_KEY = "scheduler.priority_weights"
@@ -847,12 +1077,14 @@ def _check_knobs(data: Any, report: _Reporter) -> tuple:
 
 
 def _check_seeds(seeds: Any, report: _Reporter) -> tuple:
-    expected = "a non-empty list of distinct integers ≥ 0"
-    if not isinstance(seeds, (list, tuple)) or not seeds or len(set(seeds)) != len(seeds):
+    expected = f"a non-empty list of distinct integers {SEED.describe()}"
+    if not isinstance(seeds, (list, tuple)) or not seeds:
         raise report.bad_value("search.workload_seeds", seeds, expected)
     for seed in seeds:
-        if not (_has_type(seed, int) and seed >= 0):
+        if not (_has_type(seed, int) and SEED.contains(seed)):
             raise report.bad_value("search.workload_seeds", seed, expected)
+    if len(set(seeds)) != len(seeds):
+        raise report.bad_value("search.workload_seeds", seeds, expected)
     return tuple(seeds)
 
 
@@ -897,6 +1129,17 @@ def _check_search(config: Config, report: _Reporter, base_dir: Path) -> SearchCo
             allowed = _CLOSED_LOOP_ONLY[key]
             if knob.choices is None or set(knob.choices) - {allowed}:
                 raise report.error(f"search.knobs.{key}", f"may only be {_show(allowed)} with workload.sessions")
+        searched = {other for other, _ in knobs}
+        section, _, name = key.partition(".")
+        if (section == "scheduler" and name in _STATIC_ONLY_FIELDS and config.scheduler.policy != "static"
+                and "scheduler.policy" not in searched):
+            raise report.error(f"search.knobs.{key}", f"searches a field of static batching, but scheduler.policy "
+                                                      f"is {config.scheduler.policy} (so it would do nothing)")
+        if (key == "scheduler.length_prediction_noise" and config.scheduler.queue_order not in _PREDICTING_ORDERS
+                and "scheduler.queue_order" not in searched):
+            raise report.error(f"search.knobs.{key}", f"searches the length predictor's noise, which only "
+                                                      f"{' and '.join(_PREDICTING_ORDERS)} read, but "
+                                                      f"scheduler.queue_order is {config.scheduler.queue_order}")
         if key.startswith(WEIGHTS_KEY + ".") and config.scheduler.queue_order != "weighted":
             raise report.error(f"search.knobs.{key}", f"searches a weight of the weighted queue order, but "
                                                       f"scheduler.queue_order is {config.scheduler.queue_order}")
@@ -932,6 +1175,11 @@ def _build_config(data: Any, source: str, base_dir: Path, report: _Reporter) -> 
 # ---------------------------------------------------------------------------------------------------------
 # The rl section: the action's knob bounds and the network's widths.
 
+# The actor's and critic's sizes: far beyond PPO's usual [64, 64], within what fits in memory.
+MAX_HIDDEN_LAYERS = 64
+MAX_HIDDEN_WIDTH = 2**16
+
+
 def _check_rl(rl: RlConfig, report: _Reporter) -> RlConfig:
     """``bounds`` becomes (knob, (low, high)) pairs in STEERABLE_KNOBS order and ``hidden`` a tuple of ints."""
     bounds = rl.bounds
@@ -944,13 +1192,17 @@ def _check_rl(rl: RlConfig, report: _Reporter) -> RlConfig:
         for name, pair in bounds.items():
             if name not in STEERABLE_KNOBS:
                 raise report.error(*_unknown_key(str(name), list(STEERABLE_KNOBS), "rl.bounds"))
+            most = FIELD_RANGES[f"scheduler.{name}"].high
             if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(_has_type(v, int) for v in pair)
-                    and 1 <= pair[0] < pair[1]):
-                raise report.bad_value(f"rl.bounds.{name}", pair, "[low, high], integers with 1 ≤ low < high")
+                    and 1 <= pair[0] < pair[1] <= most):
+                raise report.bad_value(f"rl.bounds.{name}", pair, f"[low, high], integers with 1 ≤ low < high ≤ "
+                                                                  f"{most} (scheduler.{name}'s range)")
         bounds = tuple((name, (bounds[name][0], bounds[name][1])) for name in STEERABLE_KNOBS if name in bounds)
     hidden = rl.hidden
-    if not (isinstance(hidden, (list, tuple)) and hidden and all(_has_type(w, int) and w >= 1 for w in hidden)):
-        raise report.bad_value("rl.hidden", hidden, "a non-empty list of layer widths, integers ≥ 1, such as [64, 64]")
+    if not (isinstance(hidden, (list, tuple)) and 0 < len(hidden) <= MAX_HIDDEN_LAYERS
+            and all(_has_type(w, int) and 1 <= w <= MAX_HIDDEN_WIDTH for w in hidden)):
+        raise report.bad_value("rl.hidden", hidden, f"a non-empty list of at most {MAX_HIDDEN_LAYERS} layer widths, "
+                                                    f"integers in [1, {MAX_HIDDEN_WIDTH}], such as [64, 64]")
     if rl.num_envs * rl.num_steps % rl.num_minibatches:
         raise report.bad_value("rl.num_minibatches", rl.num_minibatches,
                                f"a divisor of num_envs × num_steps = {rl.num_envs * rl.num_steps}")
@@ -961,6 +1213,9 @@ def _check_rl(rl: RlConfig, report: _Reporter) -> RlConfig:
 # Overrides.
 
 def _split_override(item: str) -> tuple[str, str]:
+    if len(item) > MAX_TEXT_CHARS:
+        raise ConfigError(f"--set {item[:_SHOWN_CHARS]}...: {len(item):,} characters, expected at most "
+                          f"{MAX_TEXT_CHARS:,}")
     key, equals, value = item.partition("=")
     if not equals or not key.strip():
         raise ConfigError(f"--set {item}: expected KEY=VALUE, such as scheduler.max_num_seqs=128")
@@ -1022,13 +1277,31 @@ def config_from_dict(data: dict, source: str = "<dict>", base_dir: Union[str, Pa
     return _build_config(data, source, Path(base_dir) if base_dir is not None else Path.cwd(), _Reporter(source))
 
 
-def check_vllm_would_start(resolved: Config) -> None:
-    """Refuse, with one line naming the file, the field, the value and vLLM's rule, knobs with which vLLM 0.33
-    would refuse to start. Its rules read the KV-cache size and max_model_len, which may be derived from the
-    model and GPU, so this runs on the resolved config (``servetune.pipeline.resolve``) rather than on load."""
-    refusal = resolved.scheduler.vllm_refusal()
-    if refusal is not None:
-        raise ConfigError(f"{resolved.source or '<config>'}: {refusal}")
+# The keys a setting leaves unread, and what each should then be: a file (or --set) that writes one is refused
+# whatever the value, since it would do nothing. (config_from_dict reads recorded configs, which hold every
+# field: there only a value other than the default is refused, by the rules above.)
+_UNREAD_KEYS: dict[str, Callable[[Config], Optional[str]]] = {
+    **{f"cost_model.{name}": (lambda config, name=name: _unread_linear_coefficient(config.cost_model.kind, name))
+       for name in _LINEAR_COEFFICIENTS},
+    **{f"scheduler.{name}": (lambda config, name=name: _unread_static_field(config.scheduler.policy, name))
+       for name in _STATIC_ONLY_FIELDS},
+    "workload.arrivals.rate": lambda config: (None if config.workload.tenant_arrivals else
+                                              _unread_arrival_field(config.workload.arrivals.kind, "rate")),
+    **{f"workload.lengths.{name}": (lambda config: _unread_length_field(config.workload.lengths.kind))
+       for name in ("prompt_tokens", "output_tokens")},
+}
+
+
+def _check_unread_keys(data: dict, config: Config, report: _Reporter) -> None:
+    for key, unread in _UNREAD_KEYS.items():
+        *sections, name = key.split(".")
+        written = data
+        for section in sections:
+            written = written.get(section) if isinstance(written, dict) else None
+        if isinstance(written, dict) and name in written:
+            expected = unread(config)
+            if expected:
+                raise report.bad_value(key, written[name], expected)
 
 
 def load_config(path: Union[str, Path], overrides: Sequence[str] = ()) -> Config:
@@ -1036,6 +1309,9 @@ def load_config(path: Union[str, Path], overrides: Sequence[str] = ()) -> Config
     path = Path(path)
     source = str(path)
     with reading_user_file(source, "config file", "a YAML config file", ConfigError):
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{source}: {path.stat().st_size:,} bytes, expected a config of at most "
+                              f"{MAX_CONFIG_BYTES:,}")
         text = path.read_text(encoding="utf-8")
     data = _parse_yaml(text, source)
     if data is None:
@@ -1043,4 +1319,7 @@ def load_config(path: Union[str, Path], overrides: Sequence[str] = ()) -> Config
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: got {_show(data)}, expected a mapping of sections such as scheduler")
     data = apply_overrides(data, overrides)
-    return _build_config(data, source, path.parent, _Reporter(source, overrides))
+    report = _Reporter(source, overrides)
+    config = _build_config(data, source, path.parent, report)
+    _check_unread_keys(data, config, report)
+    return config

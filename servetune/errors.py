@@ -6,7 +6,7 @@ stand alone: one line naming the file, the field, the value found and what was e
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, Optional
 
 
 class UserError(Exception):
@@ -42,3 +42,25 @@ def reading_user_file(path, name: str, expected: str, error: type[UserError]) ->
         raise error(f"{path}: byte {decode_error.start}: not UTF-8 text, expected {expected}") from None
     except OSError as os_error:
         raise error(f"{path}: cannot read the {name} ({os_error.strerror})") from None
+
+
+@contextmanager
+def in_config(source: Optional[str]) -> Iterator[None]:
+    """Start the ``ConfigError``s raised inside with the config's file: for the checks that can only run once a
+    config is resolved or its workload drawn, away from the loader, which names it itself."""
+    try:
+        yield
+    except ConfigError as error:
+        if source is None:
+            raise
+        raise ConfigError(f"{source}: {error}") from None
+
+
+class InvalidValue(UserError):
+    """A value that a function given it cannot use: ``name: got value, expected ...``. Callers that know which
+    config field or flag the value came from re-raise it under that name (``expected`` and ``value`` stay)."""
+
+    def __init__(self, name: str, value: object, expected: str) -> None:
+        self.name, self.value, self.expected = name, value, expected
+        shown = repr(value)
+        super().__init__(f"{name}: got {shown if len(shown) <= 60 else shown[:60] + '...'}, expected {expected}")

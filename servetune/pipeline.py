@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 from servetune.config import Config
-from servetune.config_loader import check_vllm_would_start
 from servetune.cost_models.catalog import resolve_model
 # The folder a config's relative model path is read from, as the KV-cache sizing reads it.
 from servetune.cost_models.factory import _config_dir, build_cost_model, derive_num_kv_blocks
@@ -17,6 +16,7 @@ from servetune.envs.simulator import simulate_timed
 from servetune.envs.admission import rate_limited
 from servetune.envs.slos import per_request_slos
 from servetune.envs.workload import Workload, build_workload
+from servetune.errors import ConfigError, InvalidValue
 
 
 @dataclass(frozen=True)
@@ -30,11 +30,17 @@ class RunReport:
 
 
 def fill_derived(config: Config) -> Config:
-    """Fill what the config leaves to be derived: the KV-cache size from the model and GPU, and max_model_len
-    (``default_max_model_len``). Not checked against vLLM's start-up rules: that is ``resolve``."""
+    """Fill what the config leaves to be derived: the KV-cache size from the model, GPU, TP and
+    gpu_memory_utilization as vLLM sizes it, and max_model_len (``default_max_model_len``). Not checked against
+    vLLM's start-up rules: that is ``resolve``. The loader has checked that the config's model fits its GPU; a
+    variant of it (a search's trial) that does not is a ConfigError naming the field."""
     scheduler = config.scheduler
     if scheduler.num_kv_blocks is None:
-        scheduler = dataclasses.replace(scheduler, num_kv_blocks=derive_num_kv_blocks(config))
+        try:
+            num_kv_blocks = derive_num_kv_blocks(config)
+        except InvalidValue as error:
+            raise ConfigError(f"{config.source or '<config>'}: {error}") from None
+        scheduler = dataclasses.replace(scheduler, num_kv_blocks=num_kv_blocks)
     if scheduler.max_model_len is None:
         scheduler = dataclasses.replace(scheduler, max_model_len=default_max_model_len(config))
     return dataclasses.replace(config, scheduler=scheduler)
@@ -54,11 +60,32 @@ def model_context_length(config: Config) -> Optional[int]:
     return resolve_model(config.model, _config_dir(config)).max_model_len
 
 
+def vllm_refusal(resolved: Config) -> Optional[str]:
+    """Why vLLM 0.33 would refuse to start with a resolved config (``fill_derived``), naming the field, the
+    value and vLLM's rule; None when it would start. The scheduler's own rules, then the model's: a
+    max_model_len beyond the model's context length is refused (``_get_and_verify_max_len`` in
+    ``vllm/config/model.py``) unless the server runs with VLLM_ALLOW_LONG_MAX_MODEL_LEN=1, which servetune does
+    not model."""
+    refusal = resolved.scheduler.vllm_refusal()
+    if refusal is not None:
+        return refusal
+    context = model_context_length(resolved)
+    wanted = resolved.scheduler.max_model_len
+    if context is not None and wanted is not None and wanted > context:
+        # An unset scheduler.max_model_len is the workload's (``default_max_model_len``).
+        field = "workload.max_model_len" if resolved.workload.max_model_len == wanted else "scheduler.max_model_len"
+        return (f"{field}: got {wanted}, expected at most {context}, the context length of {resolved.model}: "
+                f"vLLM refuses a longer max_model_len unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1")
+    return None
+
+
 def resolve(config: Config) -> Config:
     """The config as simulated: derived fields filled (``fill_derived``), and a ConfigError if vLLM would
     refuse to start with its knobs, since no deployment could then reproduce the simulation."""
     resolved = fill_derived(config)
-    check_vllm_would_start(resolved)
+    refusal = vllm_refusal(resolved)
+    if refusal is not None:
+        raise ConfigError(f"{resolved.source or '<config>'}: {refusal}")
     return resolved
 
 
@@ -66,7 +93,7 @@ def simulate_config(config: Config, window_s: Optional[float] = None) -> RunRepo
     """Simulate one config; ``window_s`` is the width of the report's arrival time windows (default: readable)."""
     start = time.perf_counter()
     config = resolve(config)
-    workload = build_workload(config.workload)
+    workload = build_workload(config.workload, config.source)
     cost_fn, cost_params = build_cost_model(config)
     load_s = time.perf_counter() - start
     slos = per_request_slos(config, workload)

@@ -24,8 +24,9 @@ def _free_compiled_executables():
 
 
 def scheduler_config(**overrides) -> SchedulerConfig:
-    """The default ``SchedulerConfig`` with ``overrides`` applied."""
-    return dataclasses.replace(SchedulerConfig(), **overrides)
+    """The default ``SchedulerConfig`` with a cache of 8,192 blocks (unset, the pipeline derives it from the model
+    and GPU; these tests simulate the knobs alone) and ``overrides`` applied."""
+    return dataclasses.replace(SchedulerConfig(num_kv_blocks=8192), **overrides)
 
 
 def linear(base: float, per_token: float = 0.0, per_ctx: float = 0.0) -> LinearCostParams:

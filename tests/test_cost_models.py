@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ from servetune.cost_models.factory import build_cost_model, derive_num_kv_blocks
 from servetune.cost_models.gpus import GIB, GPUS
 from servetune.cost_models.memory import NON_TORCH_RESERVE_BYTES, kv_capacity
 from servetune.cost_models.models import MODELS, heads_per_gpu
+from servetune.cost_models.profile import SHIPPED_PROFILES_DIR, load_profile
 from servetune.cost_models.roofline import (Calibration, build_roofline_params, smooth_max, step_costs,
                                             step_time_s)
 from servetune.errors import UserError
@@ -149,9 +151,10 @@ def test_catalogue_context_lengths_match_config_json():
 
 
 def test_unknown_names_raise_user_errors_with_suggestions():
-    with pytest.raises(UserError, match=r"did you mean llama-2-7b.*known models: .*opt-13b"):
+    with pytest.raises(UserError, match=r"model: got 'llama2-7b', expected a known model \(did you mean llama-2-7b, "
+                                        r".*known models: .*opt-13b"):
         resolve_model("llama2-7b")
-    with pytest.raises(UserError, match=r"unknown GPU 'h1000'.*did you mean"):
+    with pytest.raises(UserError, match=r"GPU: got 'h1000', expected a known GPU \(did you mean h100-80gb"):
         resolve_gpu("h1000")
 
 
@@ -159,8 +162,13 @@ def test_tensor_parallel_head_sharding():
     assert heads_per_gpu(resolve_model("llama-2-70b"), 8) == (8, 1)
     assert heads_per_gpu(resolve_model("qwen2.5-7b"), 4) == (7, 1)    # 28 q heads, 4 KV heads
     assert heads_per_gpu(resolve_model("qwen2.5-7b"), 1) == (28, 4)
-    with pytest.raises(UserError, match="do not split"):
+    with pytest.raises(UserError, match="tp: got 8, expected a divisor of qwen2.5-7b's 28 attention heads"):
         heads_per_gpu(resolve_model("qwen2.5-7b"), 8)
+    with pytest.raises(UserError, match="tp: got 3, expected a divisor of llama-2-7b's 32 attention heads"):
+        heads_per_gpu(LLAMA_7B, 3)
+    # 28 query heads split over 7, but Qwen2.5-7B's 4 KV heads neither split over 7 GPUs nor replicate evenly
+    with pytest.raises(UserError, match="tp: got 7, expected a multiple of qwen2.5-7b's 4 key/value heads"):
+        heads_per_gpu(resolve_model("qwen2.5-7b"), 7)
 
 
 def test_tensor_parallelism_adds_two_all_reduces_per_layer():
@@ -241,7 +249,8 @@ def test_kv_capacity_shards_over_tensor_parallelism_and_refuses_what_does_not_fi
     tp4 = kv_capacity(model, A100, 4, 0.92, 16, 2048, 256)
     # 8 KV heads over 4 GPUs: 2 per GPU, 80 layers: 2 * 80 * 2 * 128 * 2 B = 81,920 B per token per GPU
     assert tp4.kv_bytes_per_token == 81_920
-    with pytest.raises(UserError, match="does not fit on a100-80gb at tp=1"):
+    with pytest.raises(UserError, match="gpu: got 'a100-80gb', expected a GPU that holds llama-2-70b at tp=1: its "
+                                        "weights take 128.5 GiB per GPU"):
         kv_capacity(model, A100, 1, 0.92, 16, 2048, 256)
     assert kv_capacity(LLAMA_7B, A100, 1, 0.95, 16, 2048, 256).num_kv_blocks > \
         kv_capacity(LLAMA_7B, A100, 1, 0.90, 16, 2048, 256).num_kv_blocks
@@ -267,7 +276,7 @@ def test_factory_builds_every_kind_with_float32_params():
     step = batch(decodes=32, context=1024)
     assert 0.005 < float(roofline_fn(roofline_params, step)) < 0.05
     assert float(calibrated_fn(calibrated_params, step)) != float(roofline_fn(roofline_params, step))
-    with pytest.raises(UserError, match="not found"):
+    with pytest.raises(UserError, match="profile: got 'no-such-profile.json', expected an existing calibrate output"):
         build_cost_model(config(kind="calibrated", profile="no-such-profile.json"))
 
 
@@ -323,3 +332,45 @@ def test_memory_models_and_gpus_commands(capsys, monkeypatch):
     assert code == 0 and "context" in out and "131072" in out
     code, out = run_cli(capsys, "gpus")
     assert code == 0 and "h200" in out
+
+
+# --------------------------------------------------------------------------- calibrated profiles
+
+
+def _profile(tmp_path, **changes) -> Path:
+    document = json.loads((SHIPPED_PROFILES_DIR / "llama-2-7b_a100-80gb.json").read_text())
+    document.update(changes)
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(document))
+    return path
+
+
+def _with_value(tmp_path, name: str, value) -> Path:
+    calibration = json.loads((SHIPPED_PROFILES_DIR / "llama-2-7b_a100-80gb.json").read_text())["calibration"]
+    return _profile(tmp_path, calibration={**calibration, name: value})
+
+
+@pytest.mark.parametrize("name,value,expected", [
+    # Values calibrate's fit cannot produce, which would make float32 step times infinite, zero or NaN.
+    ("matmul_compute_efficiency", 2.0, "a number in (0, 1]"),
+    ("allreduce_efficiency", 0, "a number in (0, 1]"),
+    ("roofline_sharpness", 0.5, "a number in [1, 100]"),
+    ("kernel_overhead_s", 1e300, "seconds in (0, 1]"),
+    ("per_step_overhead_s", "1ms", "seconds in (0, 1]"),
+    ("attention_overhead_s", float("nan"), "seconds in (0, 1]"),
+])
+def test_a_profile_value_outside_what_calibrate_fits_is_refused_naming_it(tmp_path, name, value, expected):
+    path = _with_value(tmp_path, name, value)
+    with pytest.raises(UserError) as raised:
+        load_profile(path)
+    assert str(raised.value) == f"{path}: calibration.{name}: got {json.dumps(value)}, expected {expected}"
+
+
+def test_a_file_that_is_no_profile_names_the_key_and_the_format(tmp_path):
+    path = _profile(tmp_path, servetune_cost_profile=None)
+    with pytest.raises(UserError, match=r"profile.json: servetune_cost_profile: got null, expected 1: a servetune cost "
+                                        r"profile \(as calibrate writes it\)$"):
+        load_profile(path)
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(UserError, match="nesting too deep"):
+        load_profile(tmp_path / "deep.json")

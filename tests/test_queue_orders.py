@@ -309,7 +309,7 @@ def test_bad_queue_order_settings_are_named(scheduler, fragment):
 def test_weights_are_knobs_a_search_sets_without_recompiling():
     config = config_from_dict({
         "workload": {"num_requests": 50},
-        "scheduler": {"queue_order": "weighted", "priority_weights": {"waiting_s": -1.0}},
+        "scheduler": {"queue_order": "weighted", "priority_weights": {"waiting_s": -1.0}, "num_kv_blocks": 8192},
         "search": {"knobs": {"scheduler.priority_weights.prompt_tokens": {"low": 0.0, "high": 1.0}}}})
     space = SearchSpace.from_config(config)
     tuned = apply_knobs(config, {"scheduler.priority_weights.prompt_tokens": 0.25})

@@ -83,7 +83,12 @@ def _value_cases(f: Format) -> dict[str, Case]:
     # (field name, timestamp, prompt, output, the bad raw text) per case; azure's timestamps are date-times.
     nan, inf = ("nan", "inf") if f.is_csv else ("NaN", "Infinity")
     text_count = "ten" if f.is_csv else '"10"'
+    # Past the 1e8 s the engine's clock keeps to 0.4 us (servetune/config.py, MAX_CLOCK_S), from the first request.
+    late = {"azure": "2030-01-01 00:00:00.0000000", "mooncake": "200000000000"}.get(f.name, "200000000")
     bad_values = {
+        "time_past_the_clock": (time, late, "10", "5", late),
+        # The engine's per-request limit, 2^24 tokens, keeps its sums far from int32's 2^31.
+        "count_above_the_engines_limit": (prompt, None, "16777217", "5", "16777217"),
         "nan_time": (time, nan, "10", "5", nan),
         "inf_time": (time, inf, "10", "5", inf),
         "negative_time": (time, "-1", "10", "5", "-1"),
@@ -178,6 +183,8 @@ FORMAT_SPECIFIC = [
     ("servetune", "negative_prefix_id", f"{SERVETUNE_HEADER},prefix_id\n0.0,10,5,-1\n",
      ["row 1 (line 2)", "prefix_id: got '-1', expected empty (no prefix) or an integer in [0, 2147483647]"]),
     ("mooncake", "not_an_object", "[0, 10, 5, [0]]\n", ["line 1: got [0, 10, 5, [0]], expected a JSON object"]),
+    ("mooncake", "nested_too_deeply", "[" * 100_000 + "]" * 100_000 + "\n",
+     ["line 1: JSON nested too deeply; expected one flat JSON object per line"]),
     ("mooncake", "hash_ids_not_a_list", MOONCAKE_ROW.format(length=10, ids='"0"'),
      ["line 1: hash_ids: got \"0\", expected a list of block ids"]),
     ("mooncake", "negative_hash_id", MOONCAKE_ROW.format(length=1100, ids="[0, 1, -2]"),

@@ -10,12 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from servetune.config import ArrivalsConfig, LengthsConfig, SessionsConfig, TenantConfig, WorkloadConfig
+from servetune.config import (
+    MAX_TOKEN_COUNT, ArrivalsConfig, LengthsConfig, SessionsConfig, TenantConfig, WorkloadConfig,
+)
 from servetune.config_loader import config_from_dict, load_config
-from servetune.envs.lengths import MAX_TOKEN_COUNT
 from servetune.envs.traces import load_trace
 from servetune.envs.workload import NO_PREFIX, Workload, build_workload, take_rows
-from servetune.errors import TraceError
+from servetune.errors import ConfigError, TraceError
 from servetune.paths import REPO_ROOT, shared_data_dir
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -288,7 +289,7 @@ def test_servegen_m_large_mean_rate_per_window_matches_the_file(tmp_path):
     "text,fragments",
     [
         ("0,1,1,Gamma,1,1\n0,1,1,Gamma,1,1\n", ["row 2 (line 2)", "window_start_s: got '0'", "after the previous"]),
-        ("0,-1,1,Gamma,1,1\n", ["row 1", "rate: got '-1', expected a number ≥ 0"]),
+        ("0,-1,1,Gamma,1,1\n", ["row 1", "rate: got '-1', expected a number in [0, 1e+06]"]),
         ("0,1,nan,Gamma,1,1\n", ["row 1", "cv: got 'nan'"]),
         ("0,1,1,Poisson,1,1\n", ["row 1", "distribution: got 'Poisson', expected one of Gamma, Weibull"]),
         ("0,1,1,,0,0\n", ["row 1", "distribution: got '', expected one of Gamma, Weibull"]),
@@ -308,6 +309,37 @@ def test_bad_servegen_rows_are_named(tmp_path, text, fragments):
     assert message.startswith(f"{path}: ") and "\n" not in message
     for fragment in fragments:
         assert fragment in message
+
+
+def test_a_servegen_scale_that_would_flood_a_window_is_refused_before_drawing_it(tmp_path):
+    path = tmp_path / "trace.csv"
+    path.write_text("0,100,1,Gamma,1,1\n")
+    # 100 req/s x 1e6 over a 600 s window: 6e10 arrivals, more than a workload holds (1e7).
+    with pytest.raises(ConfigError) as raised:
+        build_workload(generated({"kind": "servegen", "path": str(path), "rate_scale": 1e6}), "c.yaml")
+    assert str(raised.value) == (f"c.yaml: workload.arrivals.rate_scale: got 1e+06, expected a scale at which each "
+                                 f"window of {path} brings at most 10,000,000 requests (its window at 0 s would bring "
+                                 "6e+10)")
+
+
+def test_a_renewal_whose_gaps_round_to_zero_ends_instead_of_looping(monkeypatch):
+    from servetune.envs import arrivals
+
+    # A gap distribution with every gap 0 s, as a shape far below ServeGen's fits makes them: the window would
+    # never end. The guard stops after MAX_NUM_REQUESTS arrivals (made small here).
+    monkeypatch.setattr(arrivals, "MAX_NUM_REQUESTS", 1000)
+    zero = arrivals._GapFamily(lambda rng, shape, mean, n: np.zeros(n), lambda rng, shape, mean: 0.0)
+    with pytest.raises(TraceError, match=r"^w: shape: got 1e-06, expected gaps that end the window within 1,000 "):
+        arrivals._stationary_renewal(np.random.default_rng(0), zero, 1e-6, 1.0, 10.0, "w")
+
+
+def test_a_profile_drawn_whole_is_refused_when_it_expects_more_than_a_workload_holds():
+    config = generated({"kind": "piecewise", "profile": [[0, 1e6], [1e5, 0]]}, num_requests=None)
+    with pytest.raises(ConfigError) as raised:
+        build_workload(config, "c.yaml")
+    assert str(raised.value) == ("c.yaml: workload.arrivals.profile: expects 1e+11 arrivals before its last rate 0, "
+                                 "expected at most 10,000,000 (set workload.num_requests, or lower the rates or "
+                                 "rate_scale)")
 
 
 # --- length distributions -------------------------------------------------------------------------------------
@@ -348,12 +380,36 @@ def test_lognormal_lengths_have_the_configured_median_and_spread():
 
 
 def test_a_long_tail_past_the_token_limit_is_cut_and_counted():
-    workload = lengths_of({"kind": "lognormal", "prompt_tokens": {"median": 1, "sigma": 30},
-                           "output_tokens": {"median": 1, "sigma": 0}}, n=2000)
+    workload = lengths_of({"kind": "lognormal", "prompt_tokens": {"median": 1, "sigma": 20},
+                           "output_tokens": {"median": 1, "sigma": 0}}, n=40)
     at_limit = np.count_nonzero(workload.prompt_tokens == MAX_TOKEN_COUNT)
-    # P(exp(30 Z) > 2^31 - 1) = P(Z > 0.716) ≈ 0.237
-    assert at_limit > 300 and workload.clipped == at_limit
-    assert f"{at_limit} requests cut to the 2147483647-token limit" in workload.description
+    # P(exp(20 Z) > 2^24) = P(Z > 0.832) ≈ 0.20: about 8 of 40 (fewer than the 16 whose 2^24 tokens each would
+    # pass the workload's 2^28)
+    assert 2 <= at_limit <= 15 and workload.clipped == at_limit
+    assert f"{at_limit} requests cut to the 16777216-token limit" in workload.description
+
+
+def test_a_workload_past_the_engines_token_total_is_refused_naming_the_config():
+    # 17 requests of 2^24 prompt tokens pass the 2^28 (= 16 x 2^24) a run's int32 counters take.
+    config = generated({"kind": "poisson", "rate": 1.0}, num_requests=17,
+                       lengths={"kind": "fixed", "prompt_tokens": 2**24, "output_tokens": 1})
+    with pytest.raises(ConfigError) as raised:
+        build_workload(config, "c.yaml")
+    assert str(raised.value) == ("c.yaml: workload: 17 requests of 285,212,689 prompt and output tokens in all, "
+                                 "expected at most 268,435,456 (the engine counts a run's tokens in int32); lower "
+                                 "workload.num_requests or the lengths")
+    at_the_limit = dataclasses.replace(config, num_requests=16, lengths=LengthsConfig(
+        kind="fixed", prompt_tokens=2**24 - 1, output_tokens=1))   # 16 x 2^24 = 2^28 tokens: just allowed
+    assert build_workload(at_the_limit).num_requests == 16
+
+
+def test_arrivals_past_the_engines_clock_are_refused_naming_the_field():
+    # 2,000 arrivals at 1e-5 req/s take about 2e8 s, past the 1e8 s the double-float clock keeps to 0.4 us.
+    with pytest.raises(ConfigError) as raised:
+        build_workload(generated({"kind": "poisson", "rate": 1e-5}, num_requests=2000), "c.yaml")
+    assert str(raised.value).startswith("c.yaml: workload.arrivals: request ")
+    assert "expected every arrival within 1e+08 s of simulated time" in str(raised.value)
+    assert build_workload(generated({"kind": "poisson", "rate": 1e-5}, num_requests=500)).num_requests == 500
 
 
 SHAREGPT_SAMPLE = EXAMPLES / "lengths" / "sharegpt_sample.csv"
