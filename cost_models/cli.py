@@ -1,7 +1,9 @@
 """The cost-model subcommands: ``cost``, ``memory``, ``calibrate``, ``models``, ``gpus``.
 
 ``register(subparsers)`` adds them to the main ``servetune`` parser; each handler takes the parsed
-arguments and returns the exit code. User mistakes raise ``UserError`` for the main CLI to print.
+arguments and returns the exit code. User mistakes raise ``UserError`` for the main CLI to print. JAX, SciPy
+and the calibration code are imported by the handlers that use them, so that ``servetune --help`` and the
+catalogues start without them.
 """
 from __future__ import annotations
 
@@ -9,20 +11,17 @@ import argparse
 import json
 from pathlib import Path
 
-import jax.numpy as jnp
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
 from servetune.config import HardwareConfig, SchedulerConfig
-from servetune.cost_models.calibrate import calibrate
 from servetune.cost_models.catalog import resolve_gpu, resolve_model
 from servetune.cost_models.gpus import GIB, GPUS
 from servetune.cost_models.memory import kv_capacity
 from servetune.cost_models.models import MODELS
-from servetune.cost_models.profile import find_profile, load_profile, write_profile
-from servetune.cost_models.roofline import Calibration, build_roofline_params, step_costs
 from servetune.errors import UserError
-from servetune.types import StepBatch
+from servetune.paths import check_output_file
 
 DEFAULT_MODEL = "llama-2-7b"
 
@@ -90,6 +89,12 @@ def _non_negative(name: str, value: int) -> None:
 
 
 def run_cost(args: argparse.Namespace) -> int:
+    import jax.numpy as jnp
+
+    from servetune.cost_models.profile import find_profile, load_profile
+    from servetune.cost_models.roofline import Calibration, build_roofline_params, step_costs
+    from servetune.types import StepBatch
+
     for name in ("decode_batch", "context", "prefill_tokens"):
         _non_negative("--" + name.replace("_", "-"), getattr(args, name))
     if args.decode_batch == 0 and args.prefill_tokens == 0:
@@ -174,8 +179,12 @@ def run_memory(args: argparse.Namespace) -> int:
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
+    from servetune.cost_models.calibrate import calibrate
+    from servetune.cost_models.profile import write_profile
+
     if args.folds < 2:
         raise UserError(f"--folds must be at least 2, found {args.folds}")
+    check_output_file(args.out, "--out")
     gpu = resolve_gpu(args.gpu)
     console = Console(stderr=True)
     result = calibrate(args.profiles, args.attention, args.allreduce, args.cpu_overheads, args.distserve, gpu,
@@ -187,13 +196,16 @@ def run_calibrate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"profile": str(args.out), "calibration": result.calibration.as_floats(), **result.report}))
         return 0
-    table = Table(title=f"held-out error ({args.folds}-fold by token count); profile written to {args.out}")
-    for column in ("data set", "rows", "MAPE %", "worst %", "uncalibrated MAPE %", "uncalibrated worst %"):
-        table.add_column(column, justify="left" if column == "data set" else "right", no_wrap=column == "data set")
+    # One rule under the header, two spaces between columns and each data set's model on a line of its own:
+    # an 80-column terminal shows every value whole.
+    table = Table(title=f"held-out error ({args.folds}-fold by token count); profile written to {args.out}",
+                  box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False)
+    for column in ("data set", "rows", "MAPE\n%", "worst\n%", "uncalibrated\nMAPE %", "uncalibrated\nworst %"):
+        table.add_column(column, justify="left" if column == "data set" else "right", no_wrap=True)
     for name, errors in result.report["datasets"].items():
         fitted, default = errors["calibrated"], errors["uncalibrated"]
-        table.add_row(name, str(fitted["rows"]), f"{fitted['mape_pct']:.2f}", f"{fitted['worst_pct']:+.1f}",
-                      f"{default['mape_pct']:.2f}", f"{default['worst_pct']:+.1f}")
+        table.add_row(name.replace(":", ":\n", 1), f"{fitted['rows']:,}", f"{fitted['mape_pct']:.2f}",
+                      f"{fitted['worst_pct']:+.1f}", f"{default['mape_pct']:.2f}", f"{default['worst_pct']:+.1f}")
     Console().print(table)
     return 0
 
@@ -207,8 +219,10 @@ def run_models(args: argparse.Namespace) -> int:
              "kv_heads": m.num_kv_heads, "head_dim": m.head_dim, "intermediate": m.intermediate_size,
              "vocab": m.vocab_size, "gated_mlp": m.gated_mlp, "params_b": round(m.total_params / 1e9, 2),
              "max_model_len": m.max_model_len, "source": m.source} for m in MODELS.values()]
-    return _print_catalogue(args, rows, "models (--model also takes a config.json path; sources with --json)",
-                            ["name", "layers", "hidden", "heads", "kv_heads", "intermediate", "vocab", "params_b",
+    return _print_catalogue(args, rows, "models (--model also takes a config.json path; every field, sources "
+                                        "included, with --json)",
+                            ["name", "layers", "hidden", "heads", ("kv_heads", "kv\nheads"),
+                             ("intermediate", "MLP\nwidth"), ("params_b", "params\n(B)"),
                              ("max_model_len", "context")])
 
 
@@ -218,12 +232,13 @@ def run_gpus(args: argparse.Namespace) -> int:
              "interconnect_gb_per_s": g.interconnect_bytes_per_s / 1e9, "interconnect": g.interconnect,
              "source": g.source} for g in GPUS.values()]
     return _print_catalogue(args, rows, "GPUs (dense BF16 tensor FLOP/s; sources in cost_models/gpus.py)",
-                            ["name", "bf16_tflops", "memory_gb_per_s", "memory_gib", "interconnect_gb_per_s"])
+                            ["name", ("bf16_tflops", "BF16\nTFLOP/s"), ("memory_gb_per_s", "memory\nGB/s"),
+                             ("memory_gib", "memory\nGiB"), ("interconnect_gb_per_s", "interconnect\nGB/s")])
 
 
 def _print_catalogue(args: argparse.Namespace, rows: list[dict], title: str, columns: list) -> int:
-    """All fields as JSON, or a table of the ``columns`` that fit a terminal (a column is a key, or a
-    (key, header) pair)."""
+    """All fields as JSON, or a table of the ``columns`` that fit an 80-column terminal (a column is a key, or
+    a (key, header) pair; headers break over lines so that no value is cut)."""
     if args.json:
         print(json.dumps(rows))
         return 0
@@ -231,8 +246,7 @@ def _print_catalogue(args: argparse.Namespace, rows: list[dict], title: str, col
     headers = [column if isinstance(column, str) else column[1] for column in columns]
     columns = [column if isinstance(column, str) else column[0] for column in columns]
     for column, header in zip(columns, headers):
-        table.add_column(header, justify="left" if isinstance(rows[0][column], str) else "right",
-                         no_wrap=column == "name")
+        table.add_column(header, justify="left" if isinstance(rows[0][column], str) else "right", no_wrap=True)
     for row in rows:
         table.add_row(*("-" if row[c] is None else f"{row[c]:g}" if isinstance(row[c], float) else str(row[c])
                         for c in columns))

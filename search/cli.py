@@ -1,7 +1,8 @@
 """The search subcommands: ``tune``, ``capacity``, ``sweep`` and ``export``.
 
 ``register(subparsers)`` adds them to the main ``servetune`` parser; each handler takes the parsed arguments
-and returns the exit code. User mistakes raise ``UserError`` for the main CLI to print.
+and returns the exit code. User mistakes raise ``UserError`` for the main CLI to print. Every output path and
+storage is checked before any simulation runs, and a command that only reads a study never creates its storage.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -19,8 +21,9 @@ from rich.table import Table
 from servetune.config import Config
 from servetune.config_loader import FIELD_CHOICES, load_config
 from servetune.errors import UserError
+from servetune.paths import check_output_file
 from servetune.search.export import ENGINES
-from servetune.search.storage import DEFAULT_STORAGE
+from servetune.search.storage import DEFAULT_STORAGE, check_existing_storage, check_writable_storage
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -55,7 +58,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sweep.add_argument("--param", required=True, help="dotted config key, e.g. scheduler.max_num_seqs")
     sweep.add_argument("--values", required=True, help="comma-separated values, e.g. 1,2,4,8,16")
     sweep.add_argument("--out", type=Path, help="CSV path; the plot is written next to it as .png "
-                                                "(default results/sweep-CONFIG-PARAM.csv)")
+                                                "(default sweep-CONFIG-PARAM.csv in the current folder)")
     sweep.add_argument("--batch-size", type=int, default=8, help="configs simulated together (default %(default)s)")
     sweep.set_defaults(func=run_sweep)
 
@@ -90,6 +93,12 @@ def _positive(name: str, value: Optional[int]) -> None:
         raise UserError(f"{name}: got {value}, expected an integer ≥ 1")
 
 
+def compact_table(title: str) -> Table:
+    """A table for many columns: one rule under the header and two spaces between columns, so that, with
+    headers broken over lines, it fits an 80-column terminal without cutting a value."""
+    return Table(title=title, box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # tune
 
@@ -100,6 +109,7 @@ def run_tune(args: argparse.Namespace) -> int:
 
     _positive("--trials", args.trials)
     _positive("--batch-size", args.batch_size)
+    check_writable_storage(args.storage)
     config = load_config(args.config, args.overrides)
     changes = {"trials": args.trials, "sampler": args.sampler, "batch_size": args.batch_size, "seed": args.seed}
     if args.objectives is not None:
@@ -142,10 +152,10 @@ def _trial_summary(trial) -> dict:
 def _print_trials(console: Console, study, best: list, baseline_trials: list) -> None:
     from servetune.search.study import is_feasible
 
-    table = Table(title=f"study {study.study_name}: best trial(s) and the baselines")
-    for column in ("trial", "", "goodput req/s", "vs vLLM default", "attainment", "p99 TTFT ms", "p99 ITL ms",
-                   "meets target"):
-        table.add_column(column, justify="left" if column in ("", "trial") else "right")
+    table = compact_table(f"study {study.study_name}: best trial(s) and the baselines")
+    for column in ("trial", "", "goodput\nreq/s", "vs vLLM\ndefault", "SLO\nattained", "p99 TTFT\nms",
+                   "p99 ITL\nms", "meets\ntarget"):
+        table.add_column(column, justify="left" if column in ("", "trial") else "right", no_wrap=True)
     reference = next((t.user_attrs.get("request_goodput") for t in baseline_trials
                       if t.user_attrs.get("baseline") == "vllm-default"), None)
     for label, trials in (("best", best), ("baseline", baseline_trials)):
@@ -185,6 +195,7 @@ def _config_or_study_trial(args: argparse.Namespace) -> tuple[Config, str]:
         return load_config(args.config, args.overrides), args.config
     if args.config is not None or args.overrides:
         raise UserError("capacity: give a config file or --study, not both (a study carries its config)")
+    check_existing_storage(args.storage)
     study, config = load_study(args.study, args.storage)
     trial = chosen_trial(study, args.trial)
     return trial_config(config, trial), f"study {args.study} trial {trial.number}"
@@ -207,7 +218,7 @@ def run_capacity(args: argparse.Namespace) -> int:
         return 0
     table = Table(title=f"capacity of {label}: probes in order")
     for column in ("rate scale", "req/s", "SLO attainment", f"≥ {result.target:.0%}"):
-        table.add_column(column, justify="right")
+        table.add_column(column, justify="right", no_wrap=True)
     for p in result.probes:
         table.add_row(f"{p.rate_scale:.4g}", f"{p.request_rate:,.3f}", f"{p.slo_attainment:.1%}",
                       "yes" if p.slo_attainment >= result.target else "no")
@@ -230,6 +241,12 @@ def run_sweep(args: argparse.Namespace) -> int:
     texts = [text.strip() for text in args.values.split(",") if text.strip()]
     if not texts:
         raise UserError(f"--values {args.values}: expected comma-separated values, such as 1,2,4,8")
+    # The current folder by default: the repository's results/ holds the reference sweeps, which a new one
+    # must not overwrite.
+    out = args.out or Path(f"sweep-{Path(args.config).stem}-{args.param.split('.')[-1]}.csv")
+    picture = out.with_suffix(".png")
+    check_output_file(out, "--out")
+    check_output_file(picture, "--out (its plot)")
     # Each value goes through the config loader as an override, so it is checked like any --set.
     configs = [load_config(args.config, [*args.overrides, f"{args.param}={text}"]) for text in texts]
     section, _, name = args.param.partition(".")
@@ -240,20 +257,19 @@ def run_sweep(args: argparse.Namespace) -> int:
         task = progress.add_task("sweep", total=len(configs))
         result = sweep(configs, args.param, values, BatchEvaluator(args.batch_size),
                        lambda n: progress.advance(task, n))
-    out = args.out or Path("results") / f"sweep-{Path(args.config).stem}-{args.param.split('.')[-1]}.csv"
     write_csv(result, out)
-    picture = out.with_suffix(".png")
     plot(result, picture, f"{args.config}: {args.param} (knee: where {KNEE_THROUGHPUT} / {KNEE_LATENCY} "
                           "stops improving)")
     console = Console()
-    table = Table(title=f"{args.config}: {args.param}")
-    for column in (name, "output tok/s", "goodput req/s", "attainment", "p50 TTFT", "p99 TTFT", "p50 TPOT",
-                   "p99 TPOT", "p99 ITL", ""):
-        table.add_column(column, justify="right")
+    # The table keeps to what fits 80 columns; the CSV has every metric, the median TPOT among them.
+    table = compact_table(f"{args.config}: {args.param} (latencies in ms)")
+    for column in ("value", "output\ntok/s", "goodput\nreq/s", "SLO\nattained", "p50\nTTFT", "p99\nTTFT",
+                   "p99\nTPOT", "p99\nITL", ""):
+        table.add_column(column, justify="right", no_wrap=True)
     for index, (value, row) in enumerate(zip(result.values, result.rows)):
         table.add_row(_cell(value), *[_cell(row[c]) for c in (
             "output_throughput", "request_goodput", "slo_attainment", "median_ttft_ms", "p99_ttft_ms",
-            "median_tpot_ms", "p99_tpot_ms", "p99_itl_ms")], "knee" if index == result.knee else "")
+            "p99_tpot_ms", "p99_itl_ms")], "knee" if index == result.knee else "")
     console.print(table)
     console.print(f"wrote {out} and {picture}")
     return 0
@@ -263,10 +279,10 @@ def run_sweep(args: argparse.Namespace) -> int:
 # export
 
 def run_export(args: argparse.Namespace) -> int:
-    from servetune.search.export import export
-
     if (args.study is None) == (args.policy is None):
         raise UserError("export: give --study (a tuned static config) or --policy (an RL policy), one of them")
+    if args.out is not None:
+        check_output_file(args.out, "--out")
     exported, label = _export_policy(args) if args.policy is not None else _export_study(args)
     text = exported.text
     for warning in exported.warnings:
@@ -274,7 +290,6 @@ def run_export(args: argparse.Namespace) -> int:
     if args.out is None:
         sys.stdout.write(text)
         return 0
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     Console(stderr=True).print(f"wrote {args.out} ({label})")
     return 0
@@ -287,13 +302,19 @@ def _export_policy(args: argparse.Namespace):
     from servetune.search.policy_file import load_policy, policy_config_data
     from servetune.search.provenance import config_from_data
     from servetune.search.rl_eval import most_chosen_knobs
+    from servetune.search.rl_train import policy_hash
     from servetune.search.space import apply_knobs
 
     if args.trial is not None:
         raise UserError("--trial goes with --study, not --policy")
     _positive("--seeds", args.seeds)
     policy = load_policy(args.policy)
-    config = config_from_data(policy_config_data(policy), policy.metadata.get("config_source") or str(args.policy))
+    config = config_from_data(policy_config_data(policy), policy.config_source)
+    # Format 1 files hashed their trainer's absolute paths: only a format 2 hash can be checked here.
+    if policy.format_version >= 2 and policy_hash(config) != policy.config_hash:
+        raise UserError(f"{args.policy}: its config ({policy.config_source}) no longer hashes as it did in training "
+                        f"(hash {policy.config_hash}, now {policy_hash(config)}): a file it names has changed, or "
+                        "this servetune reads the config otherwise; train the policy again")
     knobs, share = most_chosen_knobs(config, policy, args.seeds)
     chosen = apply_knobs(config, {f"scheduler.{name}": value for name, value in knobs.items()})
     if chosen.scheduler.long_prefill_token_threshold >= fill_derived(chosen).scheduler.model_len_limit:
@@ -316,6 +337,7 @@ def _export_study(args: argparse.Namespace):
     from servetune.search.provenance import provenance
     from servetune.search.study import chosen_trial, load_study, trial_config
 
+    check_existing_storage(args.storage)
     study, config = load_study(args.study, args.storage)
     trial = chosen_trial(study, args.trial)
     chosen = trial_config(config, trial)

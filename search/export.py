@@ -1,17 +1,32 @@
 """From a chosen config to the file an engine reads: vLLM's ``--config`` YAML, SGLang's ``--config`` YAML,
 TensorRT-LLM's ``--extra_llm_api_options`` YAML, TGI's launcher arguments, or servetune's own policy file.
 
-Keys and semantics follow ../shared/reference/engines.md (vLLM 0.33, SGLang 0.5.23, TensorRT-LLM 1.2, TGI).
-Each engine writes only keys it accepts. A knob in effect that the engine has no key for is listed in the
-export's warnings (and in the file's header), never dropped silently; the list is computed from the config's
-fields, so a knob the simulator gains later shows up there until an engine maps it. A value an engine would
-refuse (vLLM's max-num-batched-tokens below max-num-seqs, a KV cache larger than the GPU) is refused here with
-a ``UserError``, since the file would not start the server.
+Keys and semantics follow ../shared/reference/engines.md (vLLM 0.33, SGLang 0.5.23, TensorRT-LLM 1.2, TGI);
+the cache keys engines.md does not list are SGLang's ``page-size`` and ``max-total-tokens``
+(python/sglang/srt/server_args.py: "the number of tokens in a page", "the maximum number of tokens in the
+memory pool") and TensorRT-LLM's ``kv_cache_config.tokens_per_block`` and ``kv_cache_config.max_tokens``
+(tensorrt_llm.llmapi.KvCacheConfig; blocks are a power of two tokens). Each engine writes only keys it
+accepts. A knob in effect that the engine has no key for is listed in the export's warnings (and in the
+file's header), never dropped silently; the list is computed from the config's fields, so a knob the
+simulator gains later shows up there until an engine maps it.
+
+Every file is checked against its engine's start-up rules before it is written, and one that would not start
+the server is refused with a ``UserError``: the vLLM file is read back as vLLM would read it (the KV cache it
+would size, the max_model_len it would take) and put to ``SchedulerConfig.vllm_refusal``, and a
+max-model-len above the model's context length is refused as vLLM refuses it (vllm/config/model.py,
+``_get_and_verify_max_len``).
 
 The KV cache: when the config derives ``num_kv_blocks`` from ``gpu_memory_utilization``, the utilization is
 exported; when it gives a block count, the export computes the smallest utilization (to 0.001) at which vLLM's
 sizing rule (``cost_models/memory.py``) yields at least that many blocks, and for vLLM also pins the count with
-``num-gpu-blocks-override`` (both count vLLM's null block); TGI gets its total token count directly.
+``num-gpu-blocks-override`` (both count vLLM's null block). SGLang, TensorRT-LLM and TGI size their caches by
+rules of their own, so each gets the simulated cache's usable tokens, (num_kv_blocks - 1) x block_size, as its
+cache size in tokens.
+
+The admission limit ``max_num_queued_reqs`` counts unfinished requests, waiting and running, as vLLM's
+``max-num-queued-reqs`` does (vllm/v1/engine/async_llm.py); TGI's ``--max-concurrent-requests`` counts the
+same; SGLang's ``max-queued-requests`` counts waiting requests only (so it gets the limit less its running
+seats, with a warning).
 """
 from __future__ import annotations
 
@@ -23,9 +38,7 @@ from typing import Any, Callable, Optional
 import yaml
 
 from servetune.config import Config, SchedulerConfig
-from servetune.cost_models.factory import derive_num_kv_blocks
 from servetune.errors import UserError
-from servetune.pipeline import model_context_length
 
 ENGINES = ("vllm", "sglang", "trtllm", "tgi", "servetune")
 POLICY_FORMAT_VERSION = 1
@@ -83,12 +96,30 @@ def in_effect(config: Config) -> dict[str, Any]:
     return {key: value for key, value in knobs.items() if key not in skip}
 
 
+def _model_context_length(config: Config) -> Optional[int]:
+    # Imported here: the command line lists the engines without importing the simulator.
+    from servetune.pipeline import model_context_length
+
+    return model_context_length(config)
+
+
+def _derived_kv_blocks(config: Config) -> int:
+    from servetune.cost_models.factory import derive_num_kv_blocks
+
+    return derive_num_kv_blocks(config)
+
+
+def _usable_kv_tokens(scheduler: SchedulerConfig) -> int:
+    """Tokens the simulated cache holds for requests (vLLM's null block left out)."""
+    return scheduler.usable_kv_blocks * scheduler.block_size
+
+
 def _unexpressed(config: Config, expressed: set[str], engine: str,
                  policies: tuple[str, ...] = ("continuous",)) -> list[str]:
     """Warnings for the knobs in effect that ``expressed`` leaves out; ``policies``: the batching policies the
     engine can run (``scheduler.policy`` is expressed when it is one of them)."""
     # Every engine defaults to the model's context length, so a max_model_len equal to it needs no key.
-    defaults = {**NEUTRAL, "scheduler.max_model_len": model_context_length(config)}
+    defaults = {**NEUTRAL, "scheduler.max_model_len": _model_context_length(config)}
     unexpressed = []
     for key, value in in_effect(config).items():
         covered = value in policies if key == "scheduler.policy" else key in expressed
@@ -108,7 +139,7 @@ def memory_utilization_for(config: Config) -> float:
 
     def blocks_at(utilization: float) -> int:
         hardware = dataclasses.replace(config.hardware, gpu_memory_utilization=utilization)
-        return derive_num_kv_blocks(dataclasses.replace(config, hardware=hardware))
+        return _derived_kv_blocks(dataclasses.replace(config, hardware=hardware))
 
     try:
         most = blocks_at(1.0)
@@ -181,34 +212,52 @@ def _vllm(policy: Policy) -> tuple[dict, list[str]]:
         warnings.append(f"vllm: max-model-len is left to vLLM, which derives it from the model's config; knowing no "
                         f"context length for {policy.config.model}, the simulation took requests of up to "
                         f"{s.model_len_limit} tokens, all the KV cache holds")
-    check_vllm(keys)
+    check_vllm(keys, policy.config)
     return keys, warnings
 
 
-def check_vllm(keys: dict) -> None:
-    """vLLM's start-up checks on these keys (engines.md); a UserError naming the first one broken."""
+def check_max_model_len(engine: str, key: str, value: Optional[int], config: Config) -> None:
+    """A UserError when ``value`` (the engine's ``key``) exceeds the model's context length, which vLLM refuses
+    to start with (vllm/config/model.py, ``_get_and_verify_max_len``) and SGLang and TensorRT-LLM refuse too."""
+    context = _model_context_length(config)
+    if value is not None and context is not None and value > context:
+        raise UserError(f"{engine}: {key} {value} is above {config.model}'s context length {context} "
+                        f"(max_position_embeddings in its config.json), which the engine refuses to start with; "
+                        f"set scheduler.max_model_len (or workload.max_model_len) to at most {context}")
+
+
+def vllm_reads(keys: dict, config: Config) -> SchedulerConfig:
+    """The scheduler vLLM runs from a file of these keys on ``config``'s model and hardware: the KV cache it
+    sizes at the file's gpu-memory-utilization (unless the file pins the block count), and the model's context
+    length where the file gives no max-model-len."""
+    scheduler = SchedulerConfig(
+        max_num_seqs=keys["max-num-seqs"], max_num_batched_tokens=keys["max-num-batched-tokens"],
+        enable_chunked_prefill=keys["enable-chunked-prefill"],
+        long_prefill_token_threshold=keys.get("long-prefill-token-threshold", 0), block_size=keys["block-size"],
+        watermark=keys.get("watermark", 0.0), max_num_queued_reqs=keys.get("max-num-queued-reqs"),
+        max_model_len=keys.get("max-model-len", _model_context_length(config)),
+        num_kv_blocks=keys.get("num-gpu-blocks-override"))
+    if scheduler.num_kv_blocks is None:
+        hardware = dataclasses.replace(config.hardware, gpu_memory_utilization=keys["gpu-memory-utilization"])
+        blocks = _derived_kv_blocks(dataclasses.replace(config, hardware=hardware, scheduler=scheduler))
+        scheduler = dataclasses.replace(scheduler, num_kv_blocks=blocks)
+    return scheduler
+
+
+def check_vllm(keys: dict, config: Config) -> None:
+    """vLLM 0.33's start-up checks on a file of these keys for ``config``'s model and hardware; a UserError
+    naming the first one broken."""
     unknown = sorted(set(keys) - set(VLLM_KEYS))
     if unknown:
         raise UserError(f"vllm: {unknown[0]} is not a vLLM 0.33 key; expected one of {', '.join(VLLM_KEYS)}")
-    seqs, tokens = keys["max-num-seqs"], keys["max-num-batched-tokens"]
-    if tokens < seqs:
-        raise UserError(f"vllm: max-num-batched-tokens {tokens} < max-num-seqs {seqs}; vLLM requires "
-                        "max-num-batched-tokens ≥ max-num-seqs (search max_num_batched_tokens from at least "
-                        f"{seqs}, or max_num_seqs up to {tokens})")
-    if not keys["enable-chunked-prefill"] and tokens < keys.get("max-model-len", 0):
-        raise UserError(f"vllm: max-num-batched-tokens {tokens} < max-model-len {keys['max-model-len']} with "
-                        "chunked prefill off; vLLM requires max-num-batched-tokens ≥ max-model-len then")
-    if "max-model-len" in keys and "num-gpu-blocks-override" in keys:
-        needed = -(-keys["max-model-len"] // keys["block-size"])
-        usable = keys["num-gpu-blocks-override"] - 1   # less vLLM's null block
-        if needed > usable:
-            raise UserError(f"vllm: max-model-len {keys['max-model-len']} needs {needed} KV blocks, but "
-                            f"num-gpu-blocks-override {keys['num-gpu-blocks-override']} leaves {usable} usable; vLLM "
-                            "refuses to start when the KV cache cannot hold max-model-len")
-    if not 0 <= keys.get("watermark", 0) < 1:
-        raise UserError(f"vllm: watermark {keys['watermark']} outside [0, 1)")
     if not 0 < keys["gpu-memory-utilization"] <= 1:
         raise UserError(f"vllm: gpu-memory-utilization {keys['gpu-memory-utilization']} outside (0, 1]")
+    if not 0 <= keys.get("watermark", 0) < 1:
+        raise UserError(f"vllm: watermark {keys['watermark']} outside [0, 1)")
+    check_max_model_len("vllm", "max-model-len", keys.get("max-model-len"), config)
+    refusal = vllm_reads(keys, config).vllm_refusal()
+    if refusal is not None:
+        raise UserError(f"vllm: the exported file would not start vLLM: {refusal}")
 
 
 def _sglang(policy: Policy) -> tuple[dict, list[str]]:
@@ -222,23 +271,48 @@ def _sglang(policy: Policy) -> tuple[dict, list[str]]:
         "enable-mixed-chunk": s.enable_chunked_prefill,
         "schedule-policy": "priority" if s.queue_order == "priority" else "fcfs",
         "mem-fraction-static": _memory_share(policy),
+        # The simulated cache: pages of block_size tokens, and its usable tokens as the pool (SGLang keeps a
+        # padding slot of its own beside them, as vLLM keeps its null block).
+        "page-size": s.block_size,
+        "max-total-tokens": _usable_kv_tokens(s),
         "disable-radix-cache": not s.enable_prefix_caching,
     }
     if s.queue_order == "priority":
         # SGLang serves higher values first unless told otherwise; servetune (like vLLM) serves lower first.
         keys["enable-priority-scheduling"] = True
         keys["schedule-low-priority-values-first"] = True
+    warnings = []
     if s.max_num_queued_reqs is not None:
-        keys["max-queued-requests"] = s.max_num_queued_reqs
+        # SGLang refuses an arrival when the waiting requests, the arrival among them, would exceed its limit;
+        # the simulation (as vLLM) when the unfinished ones would. With every seat taken the two agree at the
+        # limit less the seats; at least 1, since 0 would refuse every arrival before it could be scheduled.
+        seats = keys["max-running-requests"]
+        keys["max-queued-requests"] = max(s.max_num_queued_reqs - seats, 1)
+        warnings.append(f"sglang: max-queued-requests counts waiting requests only, so the simulated limit of "
+                        f"{s.max_num_queued_reqs} unfinished (waiting + running) requests is written as "
+                        f"{keys['max-queued-requests']} waiting beside {seats} running; while fewer run, sglang "
+                        "queues more than the simulation did")
     expressed = {"scheduler.max_num_seqs", "scheduler.batch_size", "scheduler.max_num_batched_tokens",
-                 "scheduler.enable_chunked_prefill", "scheduler.num_kv_blocks", "scheduler.max_num_queued_reqs",
-                 "scheduler.enable_prefix_caching"}
+                 "scheduler.enable_chunked_prefill", "scheduler.num_kv_blocks", "scheduler.block_size",
+                 "scheduler.max_num_queued_reqs", "scheduler.enable_prefix_caching"}
     if s.queue_order == "priority":
         expressed.add("scheduler.queue_order")
-    warnings = _unexpressed(policy.config, expressed, "sglang")
-    if keys["max-running-requests"] < 1:
-        raise UserError(f"sglang: max-running-requests {keys['max-running-requests']} < 1")
+    warnings = _unexpressed(policy.config, expressed, "sglang") + warnings
+    check_sglang(keys)
     return keys, warnings
+
+
+def check_sglang(keys: dict) -> None:
+    """SGLang's start-up checks on these keys (python/sglang/srt/server_args.py); a UserError naming the first
+    one broken."""
+    if keys["max-running-requests"] < 1:
+        raise UserError(f"sglang: max-running-requests {keys['max-running-requests']} < 1; SGLang requires > 0")
+    if not 0 < keys["mem-fraction-static"] < 1:
+        raise UserError(f"sglang: mem-fraction-static {keys['mem-fraction-static']} outside (0, 1), which SGLang "
+                        "requires (the simulated cache needs all of the GPU's memory)")
+    if keys["max-total-tokens"] < keys["page-size"]:
+        raise UserError(f"sglang: max-total-tokens {keys['max-total-tokens']} holds no page of "
+                        f"{keys['page-size']} tokens")
 
 
 def _trtllm(policy: Policy) -> tuple[dict, list[str]]:
@@ -254,11 +328,25 @@ def _trtllm(policy: Policy) -> tuple[dict, list[str]]:
     }
     if s.enable_chunked_prefill:
         keys["scheduler_config"]["context_chunking_policy"] = "FIRST_COME_FIRST_SERVED"
-    keys["kv_cache_config"] = {"enable_block_reuse": s.enable_prefix_caching}
+    # The simulated cache: blocks of block_size tokens, and its usable tokens as the most the cache holds (the
+    # smaller of max_tokens and free_gpu_memory_fraction's share is what TensorRT-LLM allocates).
+    keys["kv_cache_config"] = {"enable_block_reuse": s.enable_prefix_caching, "tokens_per_block": s.block_size,
+                               "max_tokens": _usable_kv_tokens(s)}
     expressed = {"scheduler.max_num_seqs", "scheduler.max_num_batched_tokens", "scheduler.enable_chunked_prefill",
-                 "scheduler.batch_size", "scheduler.enable_prefix_caching"}
+                 "scheduler.batch_size", "scheduler.enable_prefix_caching", "scheduler.block_size",
+                 "scheduler.num_kv_blocks"}
     warnings = _unexpressed(policy.config, expressed, "trtllm", policies=("continuous", "static"))
+    check_trtllm(keys)
     return keys, warnings
+
+
+def check_trtllm(keys: dict) -> None:
+    """TensorRT-LLM's checks on these keys (tensorrt_llm.llmapi.KvCacheConfig); a UserError naming the first
+    one broken."""
+    block = keys["kv_cache_config"]["tokens_per_block"]
+    if block & (block - 1):
+        raise UserError(f"trtllm: kv_cache_config.tokens_per_block {block} is not a power of two, which "
+                        "TensorRT-LLM's KV cache requires; search scheduler.block_size over powers of two")
 
 
 def _tgi(policy: Policy) -> tuple[dict, list[str]]:
@@ -266,11 +354,13 @@ def _tgi(policy: Policy) -> tuple[dict, list[str]]:
     keys = {
         "--max-batch-size": _concurrency(s),
         "--max-batch-prefill-tokens": s.max_num_batched_tokens,
-        # TGI sizes its KV cache in tokens; the simulated cache holds num_kv_blocks · block_size.
-        "--max-batch-total-tokens": s.num_kv_blocks * s.block_size,
+        # TGI sizes its KV cache in tokens: the simulated cache's usable ones.
+        "--max-batch-total-tokens": _usable_kv_tokens(s),
     }
     if s.max_num_queued_reqs is not None:
-        keys["--max-concurrent-requests"] = keys["--max-batch-size"] + s.max_num_queued_reqs
+        # TGI's router holds a permit per request from arrival to its last token: waiting and running, the
+        # requests the simulated limit counts.
+        keys["--max-concurrent-requests"] = s.max_num_queued_reqs
     expressed = {"scheduler.max_num_seqs", "scheduler.batch_size", "scheduler.max_num_batched_tokens",
                  "scheduler.num_kv_blocks", "scheduler.block_size", "scheduler.max_num_queued_reqs"}
     warnings = _unexpressed(policy.config, expressed, "tgi")
@@ -317,6 +407,10 @@ def export(policy: Policy, engine: str, file_name: str = "FILE", caveats: tuple[
     """The engine's file; ``caveats``: warnings about the policy itself, ahead of the engine's own."""
     if engine not in ENGINE_WRITERS:
         raise UserError(f"--engine {engine}: expected one of {', '.join(ENGINES)}")
+    if engine != "servetune":   # servetune's own file records what was simulated, whatever an engine accepts
+        # Requests this long were simulated, which no engine serves on this model.
+        check_max_model_len(engine, "scheduler.max_model_len", policy.config.scheduler.max_model_len,
+                            policy.config)
     keys, warnings = ENGINE_WRITERS[engine](policy)
     warnings = [*caveats, *warnings]
     header = [f"servetune export for {engine}: {USAGE[engine].format(file=file_name)}"]

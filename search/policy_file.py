@@ -3,7 +3,12 @@
 The file is safetensors: the actor's weights, the observation statistics it normalises with and the action's
 knob bounds as tensors; as metadata (strings), what a serving stack needs to feed it and to trust it -- the
 observation and action names in order, the control interval, the hash of the config it was trained on
-(search/provenance.py ``config_hash`` plus the rl section) and that config itself.
+(search/rl_train.py ``policy_hash``), that config itself, where its file lies from the policy's folder, and the
+software versions it was trained with.
+
+Format 2 records the config's files by content in the hash and by paths relative to the config, and the
+config's own path relative to the policy file, so that a policy moves with its repository. Format 1 (read
+still) hashed and recorded absolute paths, and named the config from the folder training ran in.
 
     policy = load_policy("results/rl/diurnal/policy.safetensors")
     knobs = policy(observation)       # {"max_num_seqs": 48, "max_num_batched_tokens": 1024, ...}
@@ -28,7 +33,8 @@ from servetune.config import STEERABLE_KNOBS as INT_KNOBS
 from servetune.errors import UserError
 
 FORMAT = "servetune-policy"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 _OBS_CLIP, _VAR_EPS = 10.0, 1e-8
 
 
@@ -59,9 +65,9 @@ def _read(path: Path) -> tuple[dict, dict]:
     if metadata.get("format") != FORMAT:
         raise UserError(f"{path}: not a servetune policy file (metadata format is {metadata.get('format')!r}, "
                         f"expected {FORMAT!r})")
-    if metadata.get("format_version") != str(FORMAT_VERSION):
+    if metadata.get("format_version") not in [str(version) for version in READABLE_VERSIONS]:
         raise UserError(f"{path}: policy format version {metadata.get('format_version')}, this servetune reads "
-                        f"version {FORMAT_VERSION}")
+                        f"versions {', '.join(map(str, READABLE_VERSIONS))}")
     return tensors, metadata
 
 
@@ -76,6 +82,7 @@ class LoadedPolicy:
     log_high: np.ndarray
     weight_units: np.ndarray
     metadata: dict
+    path: Path                   # the file it was read from
 
     @property
     def observation_names(self) -> tuple[str, ...]:
@@ -88,6 +95,18 @@ class LoadedPolicy:
     @property
     def config_hash(self) -> str:
         return self.metadata["config_hash"]
+
+    @property
+    def format_version(self) -> int:
+        return int(self.metadata["format_version"])
+
+    @property
+    def config_source(self) -> str:
+        """Where the config it was trained on lies now: beside the policy file as it lay at training (format
+        2), or as training named it from the folder it ran in (format 1)."""
+        if self.format_version >= 2 and self.metadata.get("config_path"):
+            return str(self.path.parent / self.metadata["config_path"])
+        return self.metadata.get("config_source") or str(self.path)
 
     @property
     def interval_s(self) -> float:
@@ -134,7 +153,7 @@ def load_policy(path: Union[str, Path]) -> LoadedPolicy:
         layers = tuple((tensors[f"actor.{i}.weight"], tensors[f"actor.{i}.bias"]) for i in range(count))
         return LoadedPolicy(layers=layers, obs_mean=tensors["obs_mean"], obs_var=tensors["obs_var"],
                             log_low=tensors["bounds_log_low"], log_high=tensors["bounds_log_high"],
-                            weight_units=tensors["bounds_weight_units"], metadata=metadata)
+                            weight_units=tensors["bounds_weight_units"], metadata=metadata, path=path)
     except KeyError as missing:
         raise UserError(f"{path}: policy file lacks tensor {missing}") from None
 

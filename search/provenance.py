@@ -1,27 +1,35 @@
-"""What a study records about where its numbers came from: the config as plain YAML-shaped data (so the study
-can be reopened, exported or extended without the original file) and a hash that identifies the problem.
+"""What a study or a policy file records about where its numbers came from: the config as plain YAML-shaped
+data (so that it can be reopened, exported or extended without the original file) and a hash that identifies
+the problem.
 
 The hash covers everything that changes what a trial's numbers mean -- model, hardware, cost model,
 workload, scheduler defaults, SLOs, simulation, knobs, objectives, workload seeds, scenarios and their
 aggregation -- and leaves out how the study is run (trial count, batch size, sampler, seed, baselines), so a
 study can be resumed with more trials or another sampler, but not silently on another problem.
+
+Files a config names (a trace, a length sample, a model's config.json, a calibrated profile) enter the hash by
+their content, never by their path, and the recorded data names them relative to the config's folder: a
+clone of the repository at another path, or a moved one, has the same hashes and reads its own files.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib.metadata
 import json
+import os
 from pathlib import Path
+from typing import Callable, Optional
 
 from servetune.config import Config
 from servetune.config_loader import config_from_dict
+from servetune.versions import software_versions
 
 RUN_CONTROL_FIELDS = ("trials", "batch_size", "sampler", "seed", "baselines")
+CONTENT_PREFIX = "sha256:"
 
 
-def config_data(config: Config) -> dict:
-    """``config`` as the data a YAML file would hold (``config_from_dict`` reads it back to the same Config)."""
+def _plain_data(config: Config) -> dict:
+    """``config`` as the data a YAML file would hold, with the file paths the loader made absolute."""
     data = config.to_dict()
     search = data["search"]
     if search["knobs"] is not None:
@@ -33,8 +41,71 @@ def config_data(config: Config) -> dict:
     return json.loads(json.dumps(data))   # tuples to lists, as YAML and JSON hold them
 
 
+def config_folder(config: Config) -> Path:
+    """The folder the config's relative paths are read from: its file's, or the current one for a config
+    that came from no file (as the loader and the cost models read them)."""
+    source = Path(config.source) if config.source else None
+    return source.resolve().parent if source is not None and source.is_file() else Path.cwd()
+
+
+def _names_file(parts: tuple[str, ...]) -> bool:
+    """Whether the field at these dotted-key parts (list positions left out) holds a file path; a scenario's
+    overrides are config keys too."""
+    if parts[:2] == ("search", "scenarios"):
+        parts = parts[2:]
+    return parts in (("model",), ("cost_model", "profile")) or parts[-2:] in (("arrivals", "path"),
+                                                                              ("lengths", "path"))
+
+
+def _map_file_fields(data, change: Callable[[str], str], parts: tuple[str, ...] = ()):
+    if isinstance(data, dict):
+        return {key: _map_file_fields(value, change, parts + tuple(str(key).split("."))) for key, value in data.items()}
+    if isinstance(data, list):
+        return [_map_file_fields(value, change, parts) for value in data]
+    if isinstance(data, str) and _names_file(parts):
+        return change(data)
+    return data
+
+
+def _existing_file(path: str, folder: Path) -> Optional[Path]:
+    """The file ``path`` names from ``folder`` (a model's folder stands for its config.json), or None when it
+    names none (a catalogue model, a shipped profile's name)."""
+    candidate = folder / Path(path).expanduser()
+    if candidate.is_dir():
+        candidate = candidate / "config.json"
+    return candidate if candidate.is_file() else None
+
+
+def config_data(config: Config) -> dict:
+    """``config`` as data to record (``config_from_data`` reads it back to the same Config): file paths
+    relative to the config's folder, so that the record holds no absolute path of this machine's."""
+    folder = config_folder(config)
+
+    def relative(path: str) -> str:
+        return os.path.relpath(path, folder) if Path(path).is_absolute() else path
+
+    return _map_file_fields(_plain_data(config), relative)
+
+
+def content_data(config: Config) -> dict:
+    """``config`` as data with every file it names replaced by the SHA-256 of the file's bytes: what a hash of
+    the problem covers, the same wherever the files lie."""
+    folder = config_folder(config)
+
+    def content(path: str) -> str:
+        from servetune.cost_models.profile import SHIPPED_PROFILES_DIR
+
+        # Where the loader and the cost models look: the config's folder, the current one, then (a profile
+        # named by its file name) the shipped profiles.
+        places = ((path, folder), (path, Path.cwd()), (Path(path).name, SHIPPED_PROFILES_DIR))
+        found = next((file for file in (_existing_file(name, place) for name, place in places) if file), None)
+        return path if found is None else CONTENT_PREFIX + hashlib.sha256(found.read_bytes()).hexdigest()
+
+    return _map_file_fields(_plain_data(config), content)
+
+
 def config_hash(config: Config) -> str:
-    data = config_data(config)
+    data = content_data(config)
     for name in RUN_CONTROL_FIELDS:
         data["search"].pop(name)
     # How to train an RL policy on the config changes nothing a study measures.
@@ -43,8 +114,8 @@ def config_hash(config: Config) -> str:
 
 
 def config_from_data(data: dict, source: str) -> Config:
-    """The config a study recorded. Paths inside were absolute when recorded; relative ones (a calibration
-    profile) are read from the recorded source's folder."""
+    """The config a study or a policy file recorded; ``source`` is where its config file is now (relative file
+    paths inside are read from that file's folder, as they were written relative to it)."""
     return config_from_dict(data, source=source, base_dir=Path(source).parent)
 
 
@@ -65,5 +136,5 @@ def provenance(config: Config, workload_description: str, study: str, storage: s
         "storage": storage,
         "trial": trial,
         "baseline": baseline,
-        "servetune_version": importlib.metadata.version("servetune"),
+        "software": software_versions(),
     }

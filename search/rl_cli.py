@@ -1,7 +1,7 @@
 """The RL subcommands: ``train-rl`` and ``eval-policy`` (``export --policy`` is in search/cli.py).
 
 ``register(subparsers)`` adds them to the main ``servetune`` parser; handlers return the exit code and raise
-``UserError`` for the main CLI to print.
+``UserError`` for the main CLI to print. Output paths and a study's storage are checked before any simulation.
 """
 from __future__ import annotations
 
@@ -13,11 +13,14 @@ from typing import Optional
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-from rich.table import Table
+from rich.table import Column
 
 from servetune.config import Config
 from servetune.config_loader import load_config
 from servetune.errors import UserError
+from servetune.paths import check_output_file, check_output_folder
+from servetune.search.cli import compact_table
+from servetune.search.storage import check_existing_storage, check_writable_storage
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -73,12 +76,14 @@ def run_train(args: argparse.Namespace) -> int:
 
     for name in ("--timesteps", "--num-envs"):
         _check_positive(name, getattr(args, name[2:].replace("-", "_")))
+    check_output_folder(args.out, "--out")
     config = load_config(args.config, [*args.overrides, *_rl_overrides(args)])
     world = control_world(config)   # before the progress bar, so that a config it refuses is one line
     use_persistent_compilation_cache()
     console = Console(stderr=True)
-    columns = (TextColumn("[bold]PPO"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
-               TextColumn("{task.fields[figures]}"))
+    # The figures wrap under a narrow terminal's bar rather than being cut.
+    columns = (TextColumn("[bold]PPO"), BarColumn(bar_width=20), MofNCompleteColumn(), TimeElapsedColumn(),
+               TimeRemainingColumn(), TextColumn("{task.fields[figures]}", table_column=Column(overflow="fold")))
     with Progress(*columns, console=console, disable=args.no_progress) as progress:
         task = progress.add_task("train", total=None, figures="compiling")
 
@@ -102,13 +107,43 @@ def run_train(args: argparse.Namespace) -> int:
 # eval-policy
 
 def check_policy_config(policy, config: Config, allow_other: bool) -> None:
+    from servetune.search.policy_file import FORMAT_VERSION
     from servetune.search.rl_train import policy_hash
 
-    if policy.config_hash != policy_hash(config) and not allow_other:
+    ours = policy_hash(config)
+    if policy.config_hash != ours and not allow_other:
+        older = (f" (its file is of format {policy.format_version}, whose hash no config of this servetune "
+                 "matches: train it again)" if policy.format_version < FORMAT_VERSION else "")
         raise UserError(f"the policy was trained on another config or environment (hash {policy.config_hash}, "
-                        f"this config {policy_hash(config)}: see its metadata's config_source "
-                        f"{policy.metadata.get('config_source') or '?'}); pass --allow-other-config to "
+                        f"this config {ours}: see its metadata's config_source "
+                        f"{policy.metadata.get('config_source') or '?'}){older}; pass --allow-other-config to "
                         "evaluate it here anyway")
+
+
+def space_holding_baselines(config: Config) -> Config:
+    """``config`` with each range of its search space widened to hold the baselines' values (vLLM's default
+    256 running requests beyond a range that stops at an RL bound of 128, say), so that the study records the
+    baselines inside its space rather than with Optuna's "Fixed parameter ... out of range" warning."""
+    from servetune.search.baselines import baselines
+    from servetune.search.space import SearchSpace
+
+    space = SearchSpace.from_config(config)
+    chosen, _ = baselines(config, space)
+    knobs = []
+    for knob in space.knobs:
+        spec = knob.spec
+        values = [settings[knob.key] for _, settings in chosen
+                  if isinstance(settings[knob.key], (int, float)) and not isinstance(settings[knob.key], bool)]
+        if spec.choices is None and values:
+            step = spec.step or 0
+            # A stepped range grows by whole steps, so that its grid stays where it was.
+            below = max(0, spec.low - min(values))
+            above = max(0, max(values) - spec.high)
+            if step:
+                below, above = -(-below // step) * step, -(-above // step) * step
+            spec = dataclasses.replace(spec, low=spec.low - below, high=spec.high + above)
+        knobs.append((knob.key, spec))
+    return dataclasses.replace(config, search=dataclasses.replace(config.search, knobs=tuple(knobs)))
 
 
 def _best_static(config: Config, args: argparse.Namespace, console: Console) -> tuple[Config, str]:
@@ -119,23 +154,25 @@ def _best_static(config: Config, args: argparse.Namespace, console: Console) -> 
     else:
         name = f"{Path(args.config).stem}-static"
         console.print(f"no --study: running study {name} ({args.static_trials} trials) for the best static config")
-        search = dataclasses.replace(config.search, trials=args.static_trials)
+        study_config = space_holding_baselines(config)
+        study_config = dataclasses.replace(study_config, search=dataclasses.replace(study_config.search,
+                                                                                    trials=args.static_trials))
         # The study is named after the config, so an older one of that name (another config) is in the way.
-        study = run_study(dataclasses.replace(config, search=search), name, args.storage, console=console,
+        study = run_study(study_config, name, args.storage, console=console,
                           another_config_hint="pass --storage with another file to run a new one, or --study "
                                               "with a study of this config")
-        study_config = config
     trial = chosen_trial(study, None)
     return trial_config(study_config, trial), f"study {study.study_name} trial {trial.number}"
 
 
-def _cell(summary: dict, percent: bool = False) -> str:
+def _cell(summary: dict, percent: bool = False, digits: int = 3, separator: str = "\n") -> str:
+    """The mean, then the 95% interval's half width; in a table each on its own line, which keeps the table
+    within 80 columns."""
     mean, half = summary["mean"], summary["ci95"]
     if mean is None:
         return "—"
-    if percent:
-        return f"{mean:.1%}" + ("" if half is None else f" ± {half:.1%}")
-    return f"{mean:,.3f}" + ("" if half is None else f" ± {half:,.3f}")
+    shown = (lambda v: f"{v:.1%}") if percent else (lambda v: f"{v:,.{digits}f}")  # noqa: E731
+    return shown(mean) + ("" if half is None else f"{separator}± {shown(half)}")
 
 
 def run_eval(args: argparse.Namespace) -> int:
@@ -145,6 +182,10 @@ def run_eval(args: argparse.Namespace) -> int:
 
     _check_positive("--seeds", args.seeds)
     _check_positive("--static-trials", args.static_trials)
+    if args.out is not None:
+        check_output_file(args.out, "--out")
+    # With --study the storage is read; without, the static study is written into it.
+    (check_existing_storage if args.study is not None else check_writable_storage)(args.storage)
     policy = load_policy(args.policy)
     config = load_config(args.config, args.overrides)
     check_policy_config(policy, config, args.allow_other_config)
@@ -152,27 +193,33 @@ def run_eval(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     static, origin = _best_static(config, args, console)
     with console.status("evaluating") as status:
-        document = evaluate(config, policy, static, args.seeds,
-                            lambda name: status.update(f"playing {args.seeds} held-out episodes: {name}"))
+        def on_contender(name: str) -> None:
+            message = f"playing {args.seeds} held-out episodes: {name}"
+            if console.is_terminal:
+                status.update(message)
+            else:   # a spinner shows nothing in a log file: a line per contender there
+                console.print(message)
+
+        document = evaluate(config, policy, static, args.seeds, on_contender)
     document = {"policy": str(args.policy), "config": args.config, "best_static_from": origin, **document}
-    table = Table(title=f"{args.policy} on {args.config}: {args.seeds} held-out episodes of "
-                        f"{document['episode_s']:g} s (mean ± 95% interval)")
-    for column in ("contender", "goodput req/s", "attainment", "p99 TTFT ms", "p99 ITL ms", "held most"):
-        table.add_column(column, justify="left" if column in ("contender", "held most") else "right",
-                         no_wrap=column == "contender")
+    table = compact_table(f"{args.policy} on {args.config}: {args.seeds} held-out episodes of "
+                          f"{document['episode_s']:g} s (mean, ± its 95% interval)")
+    for column in ("contender", "goodput\nreq/s", "SLO\nattained", "p99 TTFT\nms", "p99 ITL\nms",
+                   "knobs held most\n(share of intervals)"):
+        table.add_column(column, justify="left" if column.startswith(("contender", "knobs")) else "right",
+                         no_wrap=True)
     for name, result in document["contenders"].items():
         knobs = result["most_chosen_knobs"]
-        held = (f"seqs {knobs['max_num_seqs']}, budget {knobs['max_num_batched_tokens']}: "
-                f"{result['most_chosen_share']:.0%}")
+        held = (f"seqs {knobs['max_num_seqs']}, budget {knobs['max_num_batched_tokens']}\n"
+                f"({result['most_chosen_share']:.0%})")
         table.add_row(name, _cell(result["request_goodput"]), _cell(result["slo_attainment"], True),
-                      _cell(result["p99_ttft_ms"]), _cell(result["p99_itl_ms"]), held)
+                      _cell(result["p99_ttft_ms"], digits=1), _cell(result["p99_itl_ms"], digits=1), held)
     out = Console()
     out.print(table)
     gain = document.get("gain_over_best_static")
     if gain is not None and gain["mean"] is not None:
-        out.print(f"policy vs best static ({origin}): goodput {_cell(gain, True)} (paired by episode)")
+        out.print(f"policy vs best static ({origin}): goodput {_cell(gain, True, separator=' ')} (paired by episode)")
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(document, indent=1) + "\n")
         out.print(f"wrote {args.out}")
     return 0

@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +38,8 @@ from servetune.envs.env_world import World, build_world
 from servetune.errors import UserError
 from servetune.search.policy_file import write_policy
 from servetune.search.ppo import EnvSpec, TrainState, Trainer, make_train
-from servetune.search.provenance import config_data
+from servetune.search.provenance import config_data, content_data
+from servetune.versions import software_versions
 
 POLICY_FILE, CHECKPOINT_FILE, HISTORY_FILE, CURVE_FILE = (
     "policy.safetensors", "checkpoint.safetensors", "training.json", "learning_curve.png")
@@ -78,8 +80,9 @@ def _without_nulls(data):
 
 def policy_hash(config: Config) -> str:
     """The hash of the world a policy acts in: the config less its search section (how a study runs) and less
-    the rl fields that only say how PPO trains."""
-    data = config_data(config)
+    the rl fields that only say how PPO trains. The files it names count by their content (policy files of
+    format 1 hashed their absolute paths, which no clone elsewhere reproduces)."""
+    data = content_data(config)
     data.pop("search")
     data["rl"] = {key: data["rl"][key] for key in ("interval_s", "episode_s", "num_workloads", "miss_penalty", "bounds")}
     return hashlib.sha256(json.dumps(_without_nulls(data), sort_keys=True).encode()).hexdigest()[:16]
@@ -209,10 +212,14 @@ def train_policy(config: Config, world: World, out: Path, resume: bool = False,
 
     save_checkpoint(out / CHECKPOINT_FILE, state)
     names = core.control_observation_names(world)
+    # The config's path from the policy's folder: a repository moved whole, or cloned elsewhere, still finds it.
+    config_path = "" if not (config.source and Path(config.source).is_file()) else \
+        os.path.relpath(Path(config.source).resolve(), out.resolve())
     write_policy(out / POLICY_FILE, state.network, state.obs_stats.mean, state.obs_stats.var,
                  world.params.bounds.log_low, world.params.bounds.log_high, world.params.bounds.weight_units,
                  {"config_hash": policy_hash(config), "config": json.dumps(config_data(config)),
-                  "config_source": config.source or "", "observation_names": list(names),
+                  "config_source": config.source or "", "config_path": config_path,
+                  "software": software_versions(), "observation_names": list(names),
                   "action_names": list(action_names(world.params.bounds)), "bounds": world.bounds,
                   "interval_s": rl.interval_s, "episode_s": world.episode_s,
                   "timesteps": trainer.num_updates * trainer.steps_per_update, "seed": rl.seed,

@@ -63,7 +63,6 @@ def _positive(value: Optional[float]) -> bool:
 
 
 def write_csv(result: SweepResult, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow([result.param, *COLUMNS, "knee"])
@@ -110,6 +109,5 @@ def plot(result: SweepResult, path: Path, title: str) -> None:
     rates.legend(lines, [line.get_label() for line in lines], fontsize=8, loc="lower right")
     figure.suptitle(title, fontsize=10)
     figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=120)
     plt.close(figure)

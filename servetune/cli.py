@@ -1,4 +1,8 @@
-"""The ``servetune`` command line."""
+"""The ``servetune`` command line.
+
+Building the parser imports no simulator, JAX, Optuna or SciPy: each command's handler imports what it runs,
+so that ``servetune --help``, ``--version`` and the catalogues answer at once.
+"""
 from __future__ import annotations
 
 import argparse
@@ -11,11 +15,12 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from servetune.config_loader import load_config
 from servetune.cost_models import cli as cost_cli
+from servetune.errors import UserError
+from servetune.paths import check_output_file
 from servetune.search import cli as search_cli
 from servetune.search import rl_cli
-from servetune.errors import UserError
+from servetune.versions import software_versions
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -35,6 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="servetune",
         description="Simulate an LLM server's batch scheduler and find the policy that maximises goodput.")
+    versions = software_versions()
+    parser.add_argument("--version", action="version", version=f"servetune {versions['servetune']} "
+                                                               f"(JAX {versions['jax']}, Optuna {versions['optuna']})")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     simulate = sub.add_parser("simulate", help="run one workload through the scheduler and report vLLM-style metrics")
@@ -55,19 +63,24 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    # Imported here so that `servetune --help` and the cost commands do not pay for JAX tracing setup.
+    from servetune.config_loader import load_config
     from servetune.envs.metrics import MIN_WINDOW_S, write_requests_csv
     from servetune.pipeline import simulate_config
 
     if args.window_s is not None and not args.window_s >= MIN_WINDOW_S:
         raise UserError(f"--window-s: got {args.window_s}, expected a width of at least {MIN_WINDOW_S} s")
+    # Before the simulation, so that a run is not lost to a path it cannot write at the end.
+    for flag, path in (("--out", args.out), ("--requests-out", args.requests_out)):
+        if path is not None:
+            check_output_file(path, flag)
     config = load_config(args.config, args.overrides)
     report = simulate_config(config, args.window_s)
     console = Console()
     _print_report(console, args.config, report)
     if args.out:
         document = {**report.metrics, "segments": report.segments, "timing": report.timing,
-                    "workload": report.workload.description, "config": report.config.to_dict()}
+                    "workload": report.workload.description, "config": report.config.to_dict(),
+                    "software": software_versions()}
         args.out.write_text(json.dumps(document, indent=2) + "\n")
         console.print(f"wrote {args.out}")
     if args.requests_out:

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import csv
+import importlib.metadata
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -42,6 +44,8 @@ def test_run_json_has_vllm_and_servetune_keys(chat_run):
     assert set(run["timing"]) == {"load_s", "compile_s", "simulate_s"}
     assert run["config"]["scheduler"]["num_kv_blocks"] == 400  # the overrides reached the resolved config
     assert run["config"]["workload"]["arrivals"]["rate"] == 20
+    # What made it: read from the installed distributions, as pip reports them.
+    assert run["software"] == {name: importlib.metadata.version(name) for name in ("servetune", "jax", "optuna")}
 
 
 def test_every_request_is_accounted_for(chat_run):
@@ -151,9 +155,14 @@ def test_bad_input_is_one_clear_line_and_exit_code_2(tmp_path):
 def test_roofline_config_with_kv_blocks_derived_from_the_hardware(tmp_path, capsys):
     """`cost_model: {kind: roofline}` replaces the linear model, and an omitted num_kv_blocks is sized
     from the model and GPU exactly as `servetune memory` reports it."""
+    import yaml
+
+    data = yaml.safe_load((EXAMPLES / "chat.yaml").read_text())
+    data["cost_model"] = {"kind": "roofline"}   # the linear coefficients are refused under another kind
+    del data["scheduler"]["num_kv_blocks"]
+    (tmp_path / "roofline.yaml").write_text(yaml.safe_dump(data))
     out = tmp_path / "run.json"
-    assert main(["simulate", str(EXAMPLES / "chat.yaml"), "--set", "workload.num_requests=200",
-                 "--set", "cost_model.kind=roofline", "--set", "scheduler.num_kv_blocks=null",
+    assert main(["simulate", str(tmp_path / "roofline.yaml"), "--set", "workload.num_requests=200",
                  "--out", str(out)]) == 0
     run = json.loads(out.read_text())
     capsys.readouterr()
@@ -193,3 +202,110 @@ def test_the_header_says_how_steps_are_scheduled_and_the_longest_request(tmp_pat
     (tmp_path / "config.json").write_text(json.dumps(model))
     assert header(f"model={tmp_path / 'config.json'}").endswith(
         "async scheduling, max_model_len 131056 (what the KV cache holds)")
+
+
+def unwritable_folder(tmp_path: Path) -> Path:
+    """A folder no file can be created in: /sys for root, whom permission bits do not stop; else a read-only one."""
+    if os.geteuid() == 0:
+        return Path("/sys")
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o500)
+    return folder
+
+
+def _bad_outputs(tmp_path: Path) -> dict[str, tuple[Path, str]]:
+    (tmp_path / "a-folder").mkdir()
+    return {"missing folder": (tmp_path / "nope" / "run.json", "no such folder"),
+            "a folder": (tmp_path / "a-folder", "is a folder"),
+            "unwritable": (unwritable_folder(tmp_path) / "run.json", "cannot write it")}
+
+
+@pytest.mark.parametrize("flag", ["--out", "--requests-out"])
+@pytest.mark.parametrize("case", ["missing folder", "a folder", "unwritable"])
+def test_output_paths_are_checked_before_anything_is_simulated(flag, case, tmp_path, monkeypatch, capsys):
+    import servetune.pipeline
+
+    def simulate(*_):
+        raise AssertionError("simulated before checking the output paths")
+
+    monkeypatch.setattr(servetune.pipeline, "simulate_config", simulate)
+    path, words = _bad_outputs(tmp_path)[case]
+    assert main(["simulate", str(EXAMPLES / "chat.yaml"), flag, str(path)]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"servetune: error: {flag} {path}: {words}") and error.count("\n") == 1, error
+    assert not (tmp_path / "nope").exists()
+
+
+def test_calibrate_checks_its_output_before_reading_any_timing(tmp_path, capsys):
+    out = tmp_path / "no" / "p.json"
+    assert main(["calibrate", "--distserve", str(tmp_path / "absent.json"), "--out", str(out)]) == 2
+    assert f"--out {tmp_path / 'no' / 'p.json'}: no such folder" in capsys.readouterr().err
+
+
+def _imported_after(code: str) -> list[str]:
+    """The heavy libraries in sys.modules after running ``code`` in a fresh interpreter."""
+    heavy = ("jax", "optuna", "scipy", "sqlalchemy")
+    probe = f"{code}\nimport sys\nprint(sorted(m for m in {heavy!r} if m in sys.modules))"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    return json.loads(result.stdout.strip().splitlines()[-1].replace("'", '"'))
+
+
+def test_help_version_and_the_catalogues_import_no_jax_optuna_or_scipy():
+    assert _imported_after("import servetune.cli\nservetune.cli._parser().format_help()") == []
+    assert _imported_after("from servetune.cli import main\nmain(['models'])\nmain(['gpus'])") == []
+    result = subprocess.run([sys.executable, "-m", "servetune.cli", "--version"], capture_output=True, text=True,
+                            timeout=120)
+    versions = {name: importlib.metadata.version(name) for name in ("servetune", "jax", "optuna")}
+    assert result.returncode == 0
+    assert result.stdout.strip() == (f"servetune {versions['servetune']} (JAX {versions['jax']}, "
+                                     f"Optuna {versions['optuna']})")
+
+
+def _printed_at_80_columns(argv: list[str], monkeypatch, capsys) -> str:
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "…" not in printed, printed   # rich's mark of a cut cell
+    assert max(len(line) for line in printed.splitlines()) <= 80, printed
+    return printed
+
+
+@pytest.mark.parametrize("argv", [["models"], ["gpus"], ["cost", "--decode-batch", "32"],
+                                  ["memory", "--model", "llama-3-70b", "--gpu", "h100-80gb", "--tp", "4"]])
+def test_the_catalogue_and_cost_tables_fit_80_columns_uncut(argv, monkeypatch, capsys):
+    _printed_at_80_columns(argv, monkeypatch, capsys)
+
+
+def test_the_models_table_shows_every_context_length_whole(monkeypatch, capsys):
+    from servetune.cost_models.models import MODELS
+
+    printed = _printed_at_80_columns(["models"], monkeypatch, capsys)
+    for model in MODELS.values():
+        row = next(line for line in printed.splitlines() if f" {model.name} " in line)
+        assert row.split()[-2] == str(model.max_model_len), row
+
+
+def test_the_simulate_report_fits_80_columns_uncut(monkeypatch, capsys):
+    _printed_at_80_columns(["simulate", str(EXAMPLES / "chat.yaml"), "--set", "workload.num_requests=20"],
+                           monkeypatch, capsys)
+
+
+def test_the_calibration_report_fits_80_columns_uncut(tmp_path, monkeypatch, capsys):
+    """The report's table, for the data sets calibrating on Vidur's Llama-2-7B profiles gives (the fit itself
+    stubbed: this is about the table)."""
+    import types
+
+    import servetune.cost_models.calibrate
+    import servetune.cost_models.profile
+
+    names = ["attention.decode", "attention.prefill", *(f"Llama-2-7b-hf:{op}" for op in (
+        "matmul.attn_pre_proj", "matmul.attn_post_proj", "matmul.mlp_up_proj", "matmul.mlp_down_proj",
+        "elementwise", "step.decode", "step.prefill"))]
+    errors = {"rows": 10440, "mape_pct": 10.12345, "worst_pct": -73.7}
+    report = {"datasets": {name: {"calibrated": errors, "uncalibrated": errors} for name in names}}
+    monkeypatch.setattr(servetune.cost_models.calibrate, "calibrate",
+                        lambda *args, **kwargs: types.SimpleNamespace(calibration=None, report=report))
+    monkeypatch.setattr(servetune.cost_models.profile, "write_profile", lambda *args: None)
+    printed = _printed_at_80_columns(["calibrate", "--out", str(tmp_path / "p.json")], monkeypatch, capsys)
+    assert "matmul.attn_post_proj" in printed and "10,440" in printed

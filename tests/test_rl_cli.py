@@ -1,6 +1,11 @@
 """The RL commands end to end: train-rl writes its folder, eval-policy compares on held-out episodes, export
---policy writes the static config the policy holds most; bad input exits 2 with one line."""
+--policy writes the static config the policy holds most; bad input exits 2 with one line; a policy moves with
+its project."""
+import importlib.metadata
 import json
+import os
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -45,6 +50,11 @@ def test_train_rl_writes_policy_checkpoint_history_and_curve(trained):
                                    "max_num_queued_reqs")
     assert policy.observation_names[0] == "queue_len" and policy.interval_s == 1.0
     assert 1 <= policy(np.zeros(len(policy.observation_names)))["max_num_seqs"] <= 32
+    assert json.loads(policy.metadata["software"]) == {
+        name: importlib.metadata.version(name) for name in ("servetune", "jax", "optuna")}
+    # The config is named from the policy's folder, so that the two move together.
+    assert not Path(policy.metadata["config_path"]).is_absolute()
+    assert Path(policy.config_source).resolve() == Path(CHAT).resolve()
 
 
 def test_resume_continues_from_the_checkpoint(trained, tmp_path):
@@ -57,11 +67,23 @@ def test_resume_continues_from_the_checkpoint(trained, tmp_path):
     assert [row["update"] for row in rows] == [1, 2]
 
 
-def test_eval_policy_compares_on_held_out_episodes(trained, tmp_path, capsys):
+def test_eval_policy_compares_on_held_out_episodes(trained, tmp_path, capsys, monkeypatch, recwarn):
+    monkeypatch.setenv("COLUMNS", "80")
     out = tmp_path / "eval.json"
-    code = main(["eval-policy", str(trained / POLICY_FILE), CHAT, *SMALL, "--seeds", "2", "--static-trials", "4",
-                 "--storage", str(tmp_path / "s.db"), "--out", str(out)])
+    # A static search space narrower than vLLM's default 256 running requests: the study widens it to hold the
+    # baselines rather than record them out of range.
+    narrow = ["--set", "search.knobs={scheduler.max_num_seqs: {low: 1, high: 32}}"]
+    code = main(["eval-policy", str(trained / POLICY_FILE), CHAT, *SMALL, *narrow, "--seeds", "2",
+                 "--static-trials", "4", "--storage", str(tmp_path / "s.db"), "--out", str(out)])
     assert code == 0
+    printed = capsys.readouterr()
+    assert not [w for w in recwarn if "Fixed parameter" in str(w.message)], [str(w.message) for w in recwarn]
+    # Progress where the output is no terminal: the study's bar, then a line per contender.
+    assert "study chat-static" in printed.err
+    for name in ("policy", "reactive", "best-static", "as-configured", "vllm-default"):
+        assert f"playing 2 held-out episodes: {name}" in printed.err
+    assert "…" not in printed.out and max(len(line) for line in printed.out.splitlines()) <= 80, printed.out
+    assert "policy vs best static" in printed.out
     document = json.loads(out.read_text())
     assert set(document["contenders"]) == {"policy", "reactive", "best-static", "as-configured", "vllm-default"}
     for name, result in document["contenders"].items():
@@ -70,7 +92,6 @@ def test_eval_policy_compares_on_held_out_episodes(trained, tmp_path, capsys):
         assert result["request_goodput"]["mean"] == pytest.approx(np.mean(values))
     policy, static = (document["contenders"][n]["request_goodput"]["values"] for n in ("policy", "best-static"))
     assert document["gain_over_best_static"]["values"] == pytest.approx([a / b - 1 for a, b in zip(policy, static)])
-    assert "policy vs best static" in capsys.readouterr().out
 
 
 def test_held_out_episodes_are_the_workloads_after_the_training_ones(trained):
@@ -131,3 +152,52 @@ def test_eval_policy_says_how_to_get_past_an_older_study_of_its_name(trained, tm
     error = capsys.readouterr().err.splitlines()[-1]   # after the line announcing the study
     assert error.startswith("servetune: error: --study chat-static")
     assert "made from another config" in error and "pass --storage with another file" in error
+
+
+def test_outputs_and_storages_are_checked_before_training_or_evaluating(trained, tmp_path, capsys):
+    (tmp_path / "a-file").write_text("")
+    cases = [
+        (["train-rl", CHAT, "--out", str(tmp_path / "a-file")], f"--out {tmp_path / 'a-file'}: is a file"),
+        (["eval-policy", str(trained / POLICY_FILE), CHAT, *SMALL, "--out", str(tmp_path / "no" / "e.json")],
+         f"--out {tmp_path / 'no' / 'e.json'}: no such folder"),
+        (["eval-policy", str(trained / POLICY_FILE), CHAT, *SMALL, "--study", "s", "--storage",
+          str(tmp_path / "absent.db")], f"--storage {tmp_path / 'absent.db'}: no such file"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+    assert sorted(os.listdir(tmp_path)) == ["a-file"]
+
+
+def test_a_policy_trained_in_one_clone_is_evaluated_and_exported_in_another(tmp_path, capsys):
+    """The policy's project copied to another path and the original removed: eval-policy accepts the policy on
+    the copy's config, and export --policy reads the copy's files (no absolute path of the trainer's)."""
+    here = tmp_path / "clone-a" / "project"
+    (here / "lengths").mkdir(parents=True)
+    (here / "lengths" / "sample.csv").write_text("num_prefill_tokens,num_decode_tokens\n" + "".join(
+        f"{128 * (i % 4 + 1)},{32 * (i % 3 + 1)}\n" for i in range(50)))
+    data = yaml.safe_load(Path(CHAT).read_text())
+    data["workload"]["lengths"] = {"kind": "empirical", "path": "lengths/sample.csv"}
+    (here / "chat.yaml").write_text(yaml.safe_dump(data))
+    out = here / "rl"
+    assert main(["train-rl", str(here / "chat.yaml"), *SMALL, "--timesteps", "40", "--num-envs", "4",
+                 "--out", str(out), "--no-progress"]) == 0
+    there = tmp_path / "clone-b" / "elsewhere" / "project"
+    shutil.copytree(here, there)
+    shutil.rmtree(tmp_path / "clone-a")
+    policy = load_policy(there / "rl" / POLICY_FILE)
+    # What the file records to find its config and files again (config_source is only the name typed).
+    assert str(tmp_path) not in policy.metadata["config"] + policy.metadata["config_path"]
+    assert policy.config_hash == policy_hash(load_config(there / "chat.yaml", CONFIG_OVERRIDES))
+    capsys.readouterr()
+    assert main(["eval-policy", str(there / "rl" / POLICY_FILE), str(there / "chat.yaml"), *SMALL, "--seeds", "1",
+                 "--static-trials", "1", "--storage", str(tmp_path / "s.db")]) == 0, capsys.readouterr().err
+    exported = tmp_path / "p.vllm.yaml"
+    assert main(["export", "--policy", str(there / "rl" / POLICY_FILE), "--seeds", "1", "--out",
+                 str(exported)]) == 0, capsys.readouterr().err
+    assert yaml.safe_load(exported.read_text())["max-num-seqs"] >= 1
+    # A changed length sample is another problem: the copy's policy no longer matches it.
+    (there / "lengths" / "sample.csv").write_text("num_prefill_tokens,num_decode_tokens\n100,10\n")
+    assert main(["export", "--policy", str(there / "rl" / POLICY_FILE), "--seeds", "1"]) == 2
+    assert "no longer hashes as it did in training" in capsys.readouterr().err

@@ -16,7 +16,7 @@ from optuna.trial import TrialState
 from search_configs import study_config
 from servetune.config_loader import load_config
 from servetune.cost_models.factory import derive_num_kv_blocks
-from servetune.errors import UserError
+from servetune.errors import ConfigError, UserError
 from servetune.pipeline import resolve
 from servetune.search import cli as search_cli
 from servetune.search.evaluate import use_persistent_compilation_cache
@@ -114,14 +114,52 @@ def test_a_vllm_file_whose_cache_cannot_hold_max_model_len_is_refused():
     keys = {"max-num-seqs": 64, "max-num-batched-tokens": 2048, "enable-chunked-prefill": True, "block-size": 16,
             "gpu-memory-utilization": 0.9, "max-model-len": 4096, "num-gpu-blocks-override": 256}
     # 4,096 tokens need 4096 / 16 = 256 blocks; 256 leave 255 beside the null block, 257 leave 256.
-    with pytest.raises(UserError, match="max-model-len 4096 needs 256 KV blocks, but num-gpu-blocks-override 256 "
-                                        "leaves 255 usable"):
-        check_vllm(keys)
-    check_vllm({**keys, "num-gpu-blocks-override": 257})
+    with pytest.raises(UserError, match="4096 tokens need 256 KV blocks of 16, but num_kv_blocks 256 leaves 255 "
+                                        "usable"):
+        check_vllm(keys, _config())
+    check_vllm({**keys, "num-gpu-blocks-override": 257}, _config())
+
+
+def test_a_vllm_file_is_read_back_with_the_cache_vllm_would_size_and_refused_if_it_cannot_start():
+    # No block count pinned: vLLM sizes the cache from gpu-memory-utilization. Llama-2-7B's 12.6 GiB of weights
+    # on a 24 GiB A10G at 0.6 leave under 2 GiB, fewer blocks than 4,096 tokens need.
+    config = _config("hardware.gpu=a10g", "scheduler.num_kv_blocks=1000")
+    keys = {"max-num-seqs": 64, "max-num-batched-tokens": 2048, "enable-chunked-prefill": True, "block-size": 16,
+            "gpu-memory-utilization": 0.6, "max-model-len": 4096}
+    small = dataclasses.replace(config, hardware=dataclasses.replace(config.hardware, gpu_memory_utilization=0.6))
+    assert 1 < derive_num_kv_blocks(small) < 4096 // 16 + 1
+    with pytest.raises(UserError, match="vllm: the exported file would not start vLLM: scheduler.max_model_len: 4096"):
+        check_vllm(keys, config)
+    check_vllm({**keys, "gpu-memory-utilization": 0.9}, config)
+    # No max-model-len in the file: vLLM takes the model's context length, 4,096, and the same rule applies.
+    with pytest.raises(UserError, match="scheduler.max_model_len: 4096"):
+        check_vllm({key: value for key, value in keys.items() if key != "max-model-len"}, config)
+    # vLLM's rule on the prefill cap, which the file must keep too.
+    with pytest.raises(UserError, match="long_prefill_token_threshold: 8192 is above max_model_len 4096"):
+        check_vllm({**keys, "gpu-memory-utilization": 0.9, "long-prefill-token-threshold": 8192}, config)
+
+
+def test_max_model_len_beyond_the_models_context_length_is_refused_with_the_limit():
+    # Llama-2-7B's config.json has max_position_embeddings 4,096; vLLM refuses a longer max_model_len
+    # (vllm/config/model.py, _get_and_verify_max_len), and so would every engine.
+    with pytest.raises(ConfigError, match="scheduler.max_model_len: got 5666, expected at most 4096"):
+        _policy("scheduler.max_model_len=5666")   # refused as the config resolves, before any simulation
+    # A policy whose knobs were changed after it resolved is still checked as each engine's file is written.
+    config = _config()
+    policy = Policy(dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, max_model_len=5666)),
+                    kv_blocks_given=True)
+    for engine in ("vllm", "sglang", "trtllm", "tgi"):
+        with pytest.raises(UserError, match="max_model_len 5666 is above llama-2-7b's context length 4096.*"
+                                            "at most 4096"):
+            export(policy, engine)
+    with pytest.raises(UserError, match="vllm: max-model-len 5666 is above llama-2-7b's context length 4096"):
+        check_vllm({**yaml.safe_load(export(_policy(), "vllm").text), "max-model-len": 5666}, _config())
+    assert yaml.safe_load(export(_policy("scheduler.max_model_len=4096"), "vllm").text)["max-model-len"] == 4096
 
 
 def test_tgi_refuses_a_prefill_budget_larger_than_the_kv_cache():
-    with pytest.raises(UserError, match="--max-batch-prefill-tokens 16384 > --max-batch-total-tokens 8000"):
+    # 500 blocks of 16 tokens, one of them vLLM's null block: 499 x 16 = 7,984 tokens for requests.
+    with pytest.raises(UserError, match="--max-batch-prefill-tokens 16384 > --max-batch-total-tokens 7984"):
         export(_policy("scheduler.num_kv_blocks=500", "scheduler.max_num_batched_tokens=16384"), "tgi")
 
 
@@ -129,15 +167,14 @@ def test_every_engine_file_parses_back_to_the_knobs():
     policy = _policy("scheduler.max_num_seqs=48", "scheduler.max_num_batched_tokens=1024",
                      "scheduler.max_num_queued_reqs=200")
     sglang = yaml.safe_load(export(policy, "sglang").text)
-    assert (sglang["max-running-requests"], sglang["chunked-prefill-size"], sglang["max-queued-requests"]) == \
-        (48, 1024, 200)
+    assert (sglang["max-running-requests"], sglang["chunked-prefill-size"]) == (48, 1024)
     trtllm = yaml.safe_load(export(policy, "trtllm").text)
     assert (trtllm["max_batch_size"], trtllm["max_num_tokens"], trtllm["enable_chunked_prefill"]) == (48, 1024, True)
     assert trtllm["scheduler_config"]["capacity_scheduler_policy"] == "MAX_UTILIZATION"
     words = shlex.split(" ".join(line for line in export(policy, "tgi").text.splitlines() if not line.startswith("#")))
     tgi = dict(zip(words[::2], words[1::2]))
     assert tgi == {"--max-batch-size": "48", "--max-batch-prefill-tokens": "1024",
-                   "--max-batch-total-tokens": str(8192 * 16), "--max-concurrent-requests": "248"}
+                   "--max-batch-total-tokens": str(8191 * 16), "--max-concurrent-requests": "200"}
     own = yaml.safe_load(export(policy, "servetune").text)
     assert own["scheduler"] == dataclasses.asdict(policy.config.scheduler)
     static = yaml.safe_load(export(_policy("scheduler.policy=static", "scheduler.batch_size=24"), "trtllm").text)
@@ -241,9 +278,41 @@ def test_queue_orders_and_prefix_caching_map_to_each_engine_or_are_warned():
     assert sglang["schedule-policy"] == "priority" and sglang["schedule-low-priority-values-first"] is True
     assert sglang["disable-radix-cache"] is False
     assert "# request priority: lower value served first" in sglang_export.text
-    assert yaml.safe_load(export(priority, "trtllm").text)["kv_cache_config"] == {"enable_block_reuse": True}
+    assert yaml.safe_load(export(priority, "trtllm").text)["kv_cache_config"]["enable_block_reuse"] is True
     # vLLM caches prefixes by default: a simulation without the cache says so explicitly.
     assert yaml.safe_load(export(_policy(), "vllm").text)["enable-prefix-caching"] is False
     fair = export(_policy("scheduler.queue_order=fair"), "vllm")
     assert any("cannot express scheduler.queue_order=fair" in w for w in fair.warnings)
     assert yaml.safe_load(fair.text)["scheduling-policy"] == "fcfs"
+
+
+def test_sglang_and_trtllm_set_the_block_size_and_the_kv_cache_size_instead_of_warning():
+    # 2,048 blocks of 32 tokens, vLLM's null block among them: 2,047 x 32 = 65,504 tokens for requests.
+    policy = _policy("scheduler.block_size=32", "scheduler.num_kv_blocks=2048")
+    sglang = export(policy, "sglang")
+    keys = yaml.safe_load(sglang.text)
+    assert (keys["page-size"], keys["max-total-tokens"]) == (32, 65504)
+    trtllm = export(policy, "trtllm")
+    cache = yaml.safe_load(trtllm.text)["kv_cache_config"]
+    assert (cache["tokens_per_block"], cache["max_tokens"]) == (32, 65504)
+    for exported in (sglang, trtllm):
+        assert not [w for w in exported.warnings if "block_size" in w or "num_kv_blocks" in w], exported.warnings
+
+
+def test_trtllm_refuses_a_block_size_that_is_not_a_power_of_two():
+    with pytest.raises(UserError, match="tokens_per_block 24 is not a power of two"):
+        export(_policy("scheduler.block_size=24", "scheduler.num_kv_blocks=4096"), "trtllm")
+
+
+def test_the_queue_limit_keeps_vllms_meaning_of_waiting_plus_running_in_every_engine():
+    # 200 unfinished requests at most (waiting + running, as vLLM's async_llm.py counts them) beside 48 seats.
+    policy = _policy("scheduler.max_num_seqs=48", "scheduler.max_num_queued_reqs=200")
+    assert yaml.safe_load(export(policy, "vllm").text)["max-num-queued-reqs"] == 200
+    tgi = export(policy, "tgi").text
+    assert "--max-concurrent-requests 200" in tgi   # TGI's permits are held from arrival to the last token
+    sglang = export(policy, "sglang")
+    assert yaml.safe_load(sglang.text)["max-queued-requests"] == 200 - 48   # SGLang counts waiting ones only
+    assert any("counts waiting requests only" in w and "200 unfinished" in w for w in sglang.warnings)
+    # A limit below the seats: SGLang needs room for one waiting arrival, or it would refuse every request.
+    tight = _policy("scheduler.max_num_seqs=48", "scheduler.max_num_queued_reqs=16")
+    assert yaml.safe_load(export(tight, "sglang").text)["max-queued-requests"] == 1
