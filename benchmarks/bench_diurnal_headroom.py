@@ -31,7 +31,6 @@ import argparse
 import json
 import math
 import subprocess
-import sys
 import time
 from pathlib import Path
 
