@@ -1,21 +1,27 @@
 """Capacity in DistServe's sense: the highest arrival rate at which SLO attainment still meets the target.
 
 The workload is scaled, not redrawn: a Poisson workload's rate is multiplied (its seeded gaps shrink in
-proportion), a trace's ``rate_scale`` is multiplied (its timestamps are divided). Attainment is taken to fall
-as the load grows. The search brackets the capacity by doubling or halving the scale from 1, then bisects
-until the bracket is narrower than ``tolerance`` relative to its feasible end: the capacity returned meets the
-target, and the true boundary lies below ``capacity · (1 + tolerance)``.
+proportion), any other's ``rate_scale`` is multiplied (a trace's timestamps are divided). Attainment is taken to
+fall as the load grows. Scales are powers of two: the search brackets the capacity by doubling or halving the
+scale from 1, then bisects the exponent until the bracket's ends are within ``tolerance`` of each other: the
+capacity returned meets the target, and the true boundary lies below ``capacity · (1 + tolerance)``.
+
+Many configs are searched together (``search_capacities``), in rounds: each round every config still searching
+probes one scale, and all of a round's probes go to the evaluator in one call, where probes of one scale share
+a workload and run as one vmapped ``simulate_many`` call. Since every config starts at scale 1 and moves by
+halving exponents, configs of similar capacity probe the very same scales.
 """
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Callable, Optional
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
 
 from servetune.config import ArrivalsConfig, Config
 from servetune.errors import UserError
 from servetune.search.evaluate import BatchEvaluator
 
+TOLERANCE = 0.02
 MAX_DOUBLINGS = 12   # 4096 times the configured rate either way
 
 
@@ -64,51 +70,99 @@ def offered_rate(config: Config, evaluator: BatchEvaluator) -> float:
     return (len(arrival_s) - 1) / span if span > 0 else float("inf")
 
 
-def find_capacity(config: Config, tolerance: float = 0.02, target: Optional[float] = None,
+@dataclass
+class CapacitySearch:
+    """One config's search: the highest exponent of two known to meet the target and the lowest known to miss
+    it, every probe, and the run at the configured load (scale 1, the first probe)."""
+    config: Config
+    target: float
+    meets: Optional[tuple[float, Probe]] = None
+    misses: Optional[tuple[float, Probe]] = None
+    probes: list[Probe] = field(default_factory=list)
+    at_configured_load: Optional[tuple[Config, dict]] = None   # (resolved config, metrics)
+    truncated: bool = False                                    # some probe hit the engine's iteration guard
+
+    def next_exponent(self, tolerance: float) -> Optional[float]:
+        """The exponent to probe next, or None when the search is over."""
+        if self.meets is None and self.misses is None:
+            return 0.0
+        if self.misses is None:
+            return self.meets[0] + 1 if self.meets[0] < MAX_DOUBLINGS else None
+        if self.meets is None:
+            return self.misses[0] - 1 if self.misses[0] > -MAX_DOUBLINGS else None
+        low, high = self.meets[0], self.misses[0]
+        return (low + high) / 2 if 2.0 ** (high - low) - 1 > tolerance else None
+
+    def record(self, exponent: float, probe: Probe, resolved: Config, metrics: dict) -> None:
+        self.probes.append(probe)
+        self.truncated |= bool(metrics.get("truncated"))
+        if exponent == 0:
+            self.at_configured_load = (resolved, metrics)
+        if probe.slo_attainment >= self.target:
+            self.meets = (exponent, probe)
+        else:
+            self.misses = (exponent, probe)
+
+    def capacity_metrics(self) -> dict:
+        """``request_capacity`` (req/s; 0 when no probe met the target) and ``capacity_rate_scale``."""
+        if self.meets is None:
+            return {"request_capacity": 0.0, "capacity_rate_scale": 0.0}
+        probe = self.meets[1]
+        return {"request_capacity": probe.request_rate, "capacity_rate_scale": probe.rate_scale}
+
+
+def search_capacities(configs: Sequence[Config], evaluator: BatchEvaluator, tolerance: float = TOLERANCE,
+                      target: Optional[float] = None,
+                      on_probe: Optional[Callable[[Probe], None]] = None) -> list[CapacitySearch]:
+    """Every config's capacity search, run together in rounds (``target``: each config's own
+    ``slo.attainment_target`` when None)."""
+    searches = [CapacitySearch(config, config.slo.attainment_target if target is None else target)
+                for config in configs]
+    while True:
+        pending = [(search, exponent) for search in searches
+                   if (exponent := search.next_exponent(tolerance)) is not None]
+        if not pending:
+            return searches
+        scaled = [scale_arrivals(search.config, 2.0 ** exponent) for search, exponent in pending]
+        for (search, exponent), config, (resolved, metrics) in zip(pending, scaled, evaluator.evaluate(scaled)):
+            probe = Probe(2.0 ** exponent, offered_rate(config, evaluator), metrics["slo_attainment"] or 0.0)
+            search.record(exponent, probe, resolved, metrics)
+            if on_probe:
+                on_probe(probe)
+
+
+def find_capacity(config: Config, tolerance: float = TOLERANCE, target: Optional[float] = None,
                   evaluator: Optional[BatchEvaluator] = None,
                   on_probe: Optional[Callable[[Probe], None]] = None) -> Capacity:
+    """One config's capacity; a UserError when the SLOs do not bind within 4096 times the load either way."""
     if not 0 < tolerance < 1:
-        raise UserError(f"--tolerance: got {tolerance}, expected a fraction in (0, 1), such as 0.02")
-    target = config.slo.attainment_target if target is None else target
-    evaluator = evaluator or BatchEvaluator(batch_size=1)
-    probes: list[Probe] = []
+        raise UserError(f"--tolerance: got {tolerance}, expected a fraction in (0, 1), such as {TOLERANCE}")
+    [search] = search_capacities([config], evaluator or BatchEvaluator(batch_size=1), tolerance, target, on_probe)
+    if search.misses is None:
+        good = search.meets[1]
+        raise UserError(f"capacity: SLO attainment still meets {search.target:.0%} at {good.request_rate:,.1f} "
+                        f"req/s ({good.rate_scale:g}x the configured rate); the SLOs do not bind")
+    if search.meets is None:
+        bad = search.misses[1]
+        raise UserError(f"capacity: SLO attainment misses {search.target:.0%} even at {bad.request_rate:.3g} req/s "
+                        f"({bad.rate_scale:g}x the configured rate); relax the SLOs or change the config")
+    good = search.meets[1]
+    return Capacity(good.rate_scale, good.request_rate, good.slo_attainment, search.target, tolerance,
+                    tuple(search.probes))
 
-    def probe(scale: float) -> Probe:
-        scaled = scale_arrivals(config, scale)
-        [(_, metrics)] = evaluator.evaluate([scaled])
-        result = Probe(scale, offered_rate(scaled, evaluator), metrics["slo_attainment"] or 0.0)
-        probes.append(result)
-        if on_probe:
-            on_probe(result)
-        return result
 
-    def meets(result: Probe) -> bool:
-        return result.slo_attainment >= target
+class CapacityEvaluator:
+    """An evaluator whose metrics, those at the configured load, also carry each config's capacity
+    (``CapacitySearch.capacity_metrics``); what ``--objectives capacity`` evaluates trials with."""
 
-    first = probe(1.0)
-    if meets(first):
-        good, bad = first, None
-        for _ in range(MAX_DOUBLINGS):
-            candidate = probe(good.rate_scale * 2)
-            if not meets(candidate):
-                bad = candidate
-                break
-            good = candidate
-        if bad is None:
-            raise UserError(f"capacity: SLO attainment still meets {target:.0%} at {good.request_rate:,.1f} req/s "
-                            f"({good.rate_scale:g}x the configured rate); the SLOs do not bind")
-    else:
-        good, bad = None, first
-        for _ in range(MAX_DOUBLINGS):
-            candidate = probe(bad.rate_scale / 2)
-            if meets(candidate):
-                good = candidate
-                break
-            bad = candidate
-        if good is None:
-            raise UserError(f"capacity: SLO attainment misses {target:.0%} even at {bad.request_rate:.3g} req/s "
-                            f"({bad.rate_scale:g}x the configured rate); relax the SLOs or change the config")
-    while bad.rate_scale - good.rate_scale > tolerance * good.rate_scale:
-        candidate = probe((good.rate_scale + bad.rate_scale) / 2)
-        good, bad = (candidate, bad) if meets(candidate) else (good, candidate)
-    return Capacity(good.rate_scale, good.request_rate, good.slo_attainment, target, tolerance, tuple(probes))
+    def __init__(self, evaluator: BatchEvaluator, tolerance: float = TOLERANCE) -> None:
+        self.evaluator = evaluator
+        self.tolerance = tolerance
+
+    def evaluate(self, configs: Sequence[Config]) -> list[tuple[Config, dict]]:
+        results = []
+        for search in search_capacities(configs, self.evaluator, self.tolerance):
+            resolved, metrics = search.at_configured_load
+            results.append((resolved, {**metrics, **search.capacity_metrics(),
+                                       "truncated": search.truncated}))
+        return results

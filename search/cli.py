@@ -150,26 +150,48 @@ def _trial_summary(trial) -> dict:
 
 
 def _print_trials(console: Console, study, best: list, baseline_trials: list) -> None:
-    from servetune.search.study import is_feasible
+    from servetune.search.objectives import OBJECTIVES
+    from servetune.search.study import OBJECTIVES_ATTR, is_feasible
 
+    # The study's objectives first (the gain is on the first), then the metrics every study reports.
+    objectives = [OBJECTIVES[name] for name in study.user_attrs.get(OBJECTIVES_ATTR, ["goodput"])]
+    shown = [(o.metric, o.label.replace(" (", "\n").rstrip(")")) for o in objectives]
+    shown += [(metric, label) for metric, label in (("request_goodput", "goodput\nreq/s"),
+                                                    ("p99_ttft_ms", "p99 TTFT\nms"), ("p99_itl_ms", "p99 ITL\nms"))
+              if metric not in [m for m, _ in shown]]
     table = compact_table(f"study {study.study_name}: best trial(s) and the baselines")
-    for column in ("trial", "", "goodput\nreq/s", "vs vLLM\ndefault", "SLO\nattained", "p99 TTFT\nms",
-                   "p99 ITL\nms", "meets\ntarget"):
+    for column in ("trial", "", shown[0][1], "vs vLLM\ndefault", *[label for _, label in shown[1:]],
+                   "SLO\nattained"):
         table.add_column(column, justify="left" if column in ("", "trial") else "right", no_wrap=True)
-    reference = next((t.user_attrs.get("request_goodput") for t in baseline_trials
+    first = objectives[0]
+    reference = next((t.user_attrs.get(first.metric) for t in baseline_trials
                       if t.user_attrs.get("baseline") == "vllm-default"), None)
     for label, trials in (("best", best), ("baseline", baseline_trials)):
         for trial in trials:
-            goodput = trial.user_attrs.get("request_goodput")
-            gain = "—" if not reference or goodput is None else f"{goodput / reference - 1:+.1%}"
+            value = trial.user_attrs.get(first.metric)
+            gain = _gain(value, reference)
             name = label if label == "best" else trial.user_attrs["baseline"]
-            table.add_row(str(trial.number), name, _cell(goodput), gain, _cell(trial.user_attrs.get("slo_attainment")),
-                          _cell(trial.user_attrs.get("p99_ttft_ms")), _cell(trial.user_attrs.get("p99_itl_ms")),
-                          "yes" if is_feasible(trial) else "no")
+            table.add_row(str(trial.number), name, _cell(value), gain,
+                          *[_cell(trial.user_attrs.get(metric)) for metric, _ in shown[1:]],
+                          _attained(trial.user_attrs.get("slo_attainment"), is_feasible(trial)))
     console.print(table)
+    console.print("✓: meets slo.attainment_target")
     for trial in best:
         knobs = ", ".join(f"{key}={_cell(value)}" for key, value in trial.params.items())
         console.print(f"trial {trial.number}: {knobs}")
+
+
+def _attained(attainment, feasible: bool) -> str:
+    return "—" if attainment is None else f"{attainment:.1%} {'✓' if feasible else '✗'}"
+
+
+def _gain(value, reference) -> str:
+    """``value`` against vLLM's defaults, as a relative change ("±0" when both are 0; "n/a" without the row)."""
+    if value is None or reference is None:
+        return "n/a"
+    if reference == 0:
+        return "±0" if value == 0 else "+∞"
+    return f"{value / reference - 1:+.1%}"
 
 
 def _cell(value) -> str:
@@ -178,7 +200,7 @@ def _cell(value) -> str:
     if isinstance(value, bool):
         return "on" if value else "off"
     if isinstance(value, float):
-        return f"{value:,.3f}" if abs(value) < 100 else f"{value:,.0f}"
+        return f"{value:,.3f}" if abs(value) < 10 else f"{value:,.1f}" if abs(value) < 1000 else f"{value:,.0f}"
     return str(value)
 
 

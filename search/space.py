@@ -46,11 +46,12 @@ class Knob:
     key: str                # dotted config key, also the Optuna parameter name
     spec: KnobConfig
     kind: type              # the config field's type: int, float, bool or str
+    held: tuple = ()        # values beyond the declared choices that trials may hold (a baseline's): see holding
 
     def suggest(self, trial: optuna.Trial) -> Any:
         spec = self.spec
         if spec.choices is not None:
-            return trial.suggest_categorical(self.key, spec.choices)
+            return trial.suggest_categorical(self.key, (*spec.choices, *self.held))
         if self.kind is int:
             return trial.suggest_int(self.key, int(spec.low), int(spec.high), log=spec.log, step=int(spec.step or 1))
         return trial.suggest_float(self.key, spec.low, spec.high, log=spec.log, step=spec.step)
@@ -102,11 +103,28 @@ class SearchSpace:
         """What ``config`` sets each knob to."""
         return {key: get_field(config, key) for key in self.keys}
 
+    def holding(self, values: Mapping[str, Any]) -> "SearchSpace":
+        """This space, its categorical knobs also holding their value in ``values`` when it is not among their
+        choices: an Optuna trial can store only a choice of its distribution, so the distribution holds it
+        (after the declared choices); the grid keeps the declared choices. Ranges store any value as they are."""
+        knobs = []
+        for knob in self.knobs:
+            value = values.get(knob.key)
+            if knob.spec.choices is not None and knob.key in values and value not in (*knob.spec.choices, *knob.held):
+                knob = dataclasses.replace(knob, held=(*knob.held, value))
+            knobs.append(knob)
+        return SearchSpace(tuple(knobs))
+
+    def held_only(self, values: Mapping[str, Any]) -> list[str]:
+        """The knobs set to a value they hold beyond their declared choices, as ``key=value``."""
+        return [f"{knob.key}={values[knob.key]!r}" for knob in self.knobs
+                if knob.held and values[knob.key] not in knob.spec.choices]
+
     def outside_choices(self, values: Mapping[str, Any]) -> list[str]:
         """The knobs whose value is not one of their choices, as ``key=value``. (A range accepts any value for
         an enqueued trial -- Optuna records it with a warning -- but an unknown choice cannot be stored.)"""
         return [f"{knob.key}={values[knob.key]!r}" for knob in self.knobs
-                if knob.spec.choices is not None and values[knob.key] not in knob.spec.choices]
+                if knob.spec.choices is not None and values[knob.key] not in (*knob.spec.choices, *knob.held)]
 
 
 WEIGHT_PREFIX = "scheduler.priority_weights."   # one weight of the weighted queue order is a knob

@@ -99,12 +99,12 @@ def test_profiles_round_trip_and_bad_ones_are_user_errors(tmp_path):
     assert find_profile("profile.json", base_dir=tmp_path) == tmp_path / "profile.json"
     broken = tmp_path / "broken.json"
     broken.write_text(json.dumps({**document, "calibration": {"matmul_compute_efficiency": 0.5}}))
-    with pytest.raises(UserError, match="must give exactly"):
+    with pytest.raises(UserError, match="calibration: got .*expected an object of exactly"):
         load_profile(broken)
     broken.write_text("{")
     with pytest.raises(UserError, match="not valid JSON"):
         load_profile(broken)
-    with pytest.raises(UserError, match="needs a profile"):
+    with pytest.raises(UserError, match="profile: got None, expected a fitted profile"):
         find_profile(None)
 
 

@@ -13,6 +13,7 @@ from servetune.config import (
     HardwareConfig,
     LengthsConfig,
     SchedulerConfig,
+    SearchConfig,
     SessionsConfig,
     SloConfig,
     TenantConfig,
@@ -56,6 +57,8 @@ def test_chat_example_is_the_issue_config():
             long_prefill_token_threshold=0, block_size=16, num_kv_blocks=8192, watermark=0.0, max_num_queued_reqs=None,
         ),
         slo=SloConfig(ttft_ms=800.0, itl_ms=60.0, attainment_target=0.9),
+        # Most configs serve the shipped load in full, so goodput ties: the study searches capacity instead.
+        search=SearchConfig(objectives=("capacity",)),
     )
     config = load_config(EXAMPLES / "chat.yaml")
     assert config == expected

@@ -95,3 +95,75 @@ def test_tenants_with_their_own_arrivals_are_each_scaled():
     assert offered_rate(scaled, BatchEvaluator()) == pytest.approx(8.0, rel=4 / np.sqrt(4000))
     workload = build_workload(scaled.workload)
     assert np.mean(workload.tenant == 0) == pytest.approx(0.25, abs=4 * np.sqrt(0.25 * 0.75 / 4000))
+
+
+class _CountingEvaluator(BatchEvaluator):
+    """Counts the evaluator calls and the configs simulated."""
+
+    def __init__(self, batch_size: int) -> None:
+        super().__init__(batch_size)
+        self.calls, self.configs = 0, 0
+
+    def evaluate(self, configs, on_simulated=None):
+        self.calls += 1
+        self.configs += len(configs)
+        return super().evaluate(configs, on_simulated)
+
+
+def _seats(config, max_num_seqs: int):
+    return dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, max_num_seqs=max_num_seqs))
+
+
+def test_capacities_searched_together_are_each_configs_own_and_meet_the_target_where_simulated_alone():
+    from servetune.search.capacity import search_capacities
+
+    configs = [_seats(_config(ttft_ms=800), seats) for seats in (2, 4, 16)]
+    together = _CountingEvaluator(8)
+    searches = search_capacities(configs, together)
+    alone = []
+    for config in configs:
+        evaluator = _CountingEvaluator(1)
+        alone.append((find_capacity(config, evaluator=evaluator), evaluator.calls))
+    capacities = [search.capacity_metrics()["request_capacity"] for search in searches]
+    assert capacities == [capacity.request_rate for capacity, _ in alone]
+    assert capacities[0] < capacities[1] < capacities[2]   # more seats, more capacity: the configs differ
+    # One evaluator call a round for all three, so as many calls as the longest search alone, not their sum.
+    assert together.calls == max(calls for _, calls in alone) < sum(calls for _, calls in alone)
+    for config, search in zip(configs, searches):
+        # Simulated on its own, without the search's batching: the capacity meets the target, and the lowest
+        # failing probe, within the tolerance above it, misses it.
+        assert _attainment(config, search.meets[1].request_rate) >= 0.9
+        assert _attainment(config, search.misses[1].request_rate) < 0.9
+        assert search.misses[1].rate_scale <= search.meets[1].rate_scale * (1 + TOLERANCE)
+
+
+def test_the_capacity_objective_scores_each_trial_by_its_capacity(tmp_path):
+    from search_configs import write_config
+    from servetune.config_loader import load_config
+    from servetune.search.capacity import MAX_DOUBLINGS
+    from servetune.search.objectives import OBJECTIVES
+    from servetune.search.study import chosen_trial, run_study, trial_config
+    from optuna.trial import TrialState
+
+    description = OBJECTIVES["capacity"].description
+    assert f"within {TOLERANCE:.0%}" in description and f"1/{2 ** MAX_DOUBLINGS}" in description
+    data = {"workload": {"arrivals": {"kind": "poisson", "rate": 4.0}, "num_requests": 300, "seed": 0,
+                         "lengths": {"kind": "fixed", "prompt_tokens": 512, "output_tokens": 128}},
+            "scheduler": {"max_num_seqs": 16, "num_kv_blocks": 4096},
+            "slo": {"ttft_ms": 800, "attainment_target": 0.9},
+            "search": {"knobs": {"scheduler.max_num_seqs": {"choices": [2, 4, 16]}}, "objectives": ["capacity"],
+                       "sampler": "grid", "trials": 3, "batch_size": 4, "baselines": False}}
+    config = load_config(write_config(tmp_path, data))
+    study = run_study(config, "capacity", str(tmp_path / "s.db"), show_progress=False)
+    assert study.metric_names == ["capacity (req/s)"]
+    complete = study.get_trials(states=(TrialState.COMPLETE,))
+    assert len(complete) == 3
+    for trial in complete:
+        alone = find_capacity(trial_config(config, trial))
+        assert trial.value == trial.user_attrs["request_capacity"] == alone.request_rate
+        assert trial.user_attrs["capacity_rate_scale"] == alone.rate_scale
+        # The trial's other metrics are those at the configured load.
+        [(_, metrics)] = BatchEvaluator(1).evaluate([trial_config(config, trial)])
+        assert trial.user_attrs["request_goodput"] == metrics["request_goodput"]
+    best = chosen_trial(study, None)
+    assert best.params["scheduler.max_num_seqs"] == 16 and best.value == max(t.value for t in complete)

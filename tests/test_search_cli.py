@@ -191,3 +191,6 @@ def test_a_moved_project_resumes_its_study(parser, tmp_path):
     study = optuna.load_study(study_name="moved", storage=f"sqlite:///{after / 's.db'}")
     assert len(study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))) == 4
     assert str(tmp_path) not in json.dumps(study.user_attrs["config"])
+    # Reading the study back finds the files its config names in the moved folder (the first folder is gone).
+    assert _run(parser, ["export", "--study", "moved", "--storage", str(after / "s.db"), "--engine", "vllm",
+                         "--out", str(after / "moved.vllm.yaml")]) == 0

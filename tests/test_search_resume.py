@@ -124,3 +124,26 @@ def test_a_trial_names_its_worker_before_the_sampler_works_on_it(tmp_path, stora
     assert sampler.owners_seen == [(TrialState.RUNNING, "host/1/a")] * 2
     assert {t.number: t.user_attrs[WORKER_ATTR] for t in study.get_trials()} == {0: "host/1/a", 1: "host/1/a"}
     assert second.number == 1 and second.suggest_float("x", 0, 1) != 0.5
+
+
+def test_a_study_killed_in_its_random_start_resumes_with_distinct_configurations(tmp_path):
+    """Killed while the sampler still proposes at random (TPE's start-up, or the random sampler), a restarted
+    worker must not propose the dead one's configurations again: every COMPLETE trial is its own configuration,
+    and none of the requested trials is spent on a repeat."""
+    from search_configs import STUDY_KNOBS
+
+    knobs = {**STUDY_KNOBS, "scheduler.max_num_batched_tokens": {"low": 256, "high": 2048},
+             "scheduler.enable_chunked_prefill": {"choices": [True]}}   # some 43,000 configurations vLLM starts
+    config = write_config(tmp_path, study_data(trials=TRIALS, batch_size=4, sampler="random", knobs=knobs,
+                                               workload_seeds=[1, 2, 3]))
+    storage = str(tmp_path / "study.db")
+    command = worker_command(config, "distinct", storage)
+    _kill_mid_run(command, storage, "distinct")
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
+    assert finished.returncode == 0, finished.stderr
+
+    after = _trials(storage, "distinct")
+    complete = [t for t in after if t.state == TrialState.COMPLETE]
+    assert len(complete) == TRIALS
+    assert len({tuple(sorted(t.params.items())) for t in complete}) == TRIALS
+    assert not [t for t in after if "repeat_of" in t.user_attrs]

@@ -15,11 +15,13 @@ from search_configs import STUDY_KNOBS, study_config
 from servetune.config_loader import config_from_dict, load_config
 from servetune.errors import ConfigError, UserError
 from servetune.pipeline import resolve, simulate_config
-from servetune.search.baselines import baselines, vllm_default_knobs
+from servetune.search.baselines import baselines, space_with_baselines, vllm_default_knobs
 from servetune.search.evaluate import BatchEvaluator, concurrency_bound, use_persistent_compilation_cache
 from servetune.search.space import SearchSpace, apply_knobs
 from servetune.search import study as study_module
-from servetune.search.study import REFUSAL_ATTR, best_trials, chosen_trial, is_feasible, open_study, run_study
+from servetune.search.study import (
+    REFUSAL_ATTR, best_trials, chosen_trial, is_feasible, open_study, run_study, trial_config,
+)
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -80,27 +82,45 @@ def test_trials_carry_every_metric_the_constraint_and_the_resolved_knobs(tmp_pat
         for name, value in single.items():
             assert trial.user_attrs[name] == pytest.approx(value, nan_ok=True), name
         assert trial.value == pytest.approx(single["request_goodput"])
-        assert trial.constraints == {"slo_attainment": pytest.approx(0.9 - single["slo_attainment"])}
+        # Where Optuna Dashboard reads a trial's constraints (optuna_dashboard/_serializer.py) and constrained
+        # samplers write them: the system attribute "constraints", a list.
+        assert trial.system_attrs["constraints"] == [pytest.approx(0.9 - single["slo_attainment"])]
+        assert list(trial.constraints.values()) == [pytest.approx(0.9 - single["slo_attainment"])]
         assert is_feasible(trial) == (single["slo_attainment"] >= 0.9)
         assert trial.user_attrs["scheduler"]["max_num_seqs"] == trial.params["scheduler.max_num_seqs"]
+    assert study.metric_names == ["goodput (req/s)"]   # the dashboard's axis, not "Objective 0"
 
 
-def test_multi_objective_study_returns_a_pareto_front(tmp_path):
+def _better_beyond_a_tie(a: float, b: float, maximize: bool, floor: float = 0.0) -> bool:
+    """Whether ``a`` beats ``b`` by more than 0.5% of the larger (or ``floor``, one request over the run)."""
+    tolerance = max(0.005 * max(abs(a), abs(b)), floor)
+    return a - b > tolerance if maximize else b - a > tolerance
+
+
+def test_multi_objective_study_returns_a_pareto_front_with_ties(tmp_path):
     config = study_config(trials=12, sampler="nsga2", objectives=["goodput", "p99_ttft"], batch_size=4)
     study = run_study(config, "pareto", str(tmp_path / "s.db"), show_progress=False)
     assert [d.name for d in study.directions] == ["MAXIMIZE", "MINIMIZE"]
+    assert study.metric_names == ["goodput (req/s)", "p99 TTFT (ms)"]
     front = best_trials(study)
     complete = study.get_trials(states=(TrialState.COMPLETE,))
     pool = [t for t in complete if is_feasible(t)] or complete
-    for trial in front:   # nothing in the pool is at least as good on both and better on one
-        assert not any(o.values[0] >= trial.values[0] and o.values[1] <= trial.values[1] and o.values != trial.values
-                       for o in pool)
-    assert all(any(o.values[0] >= t.values[0] and o.values[1] <= t.values[1] for o in front) for t in pool)
+
+    def better(a, b):   # per objective: a beats b beyond a tie
+        floor = 1 / min(a.user_attrs["duration_s"], b.user_attrs["duration_s"])
+        return [_better_beyond_a_tie(a.values[0], b.values[0], True, floor),
+                _better_beyond_a_tie(a.values[1], b.values[1], False)]
+
+    assert front and set(t.number for t in front) <= set(t.number for t in pool)
+    for trial in front:   # nothing in the pool is no worse beyond a tie on both and better beyond one on one
+        assert not any(any(better(o, trial)) and not any(better(trial, o)) for o in pool)
+    for a, b in itertools.combinations(front, 2):   # no two rows tie on both objectives
+        assert any(better(a, b)) or any(better(b, a))
 
 
 def test_baselines_are_the_first_trials_and_vllm_defaults_follow_the_gpu(tmp_path):
     config = load_config("examples/chat.yaml", ["workload.num_requests=100", "search.trials=3",
-                                                "search.batch_size=4"])
+                                                "search.batch_size=4", "search.objectives=[goodput]"])
     study = run_study(config, "baselines", str(tmp_path / "s.db"), show_progress=False)
     by_name = {t.user_attrs["baseline"]: t.params for t in study.trials}
     assert [t.user_attrs.get("baseline") for t in study.trials] == ["as-configured", "vllm-default", "chunk-512"]
@@ -115,7 +135,46 @@ def test_baselines_are_the_first_trials_and_vllm_defaults_follow_the_gpu(tmp_pat
     assert vllm_default_knobs(h100)["scheduler.max_num_batched_tokens"] == 8192
 
 
-def test_the_vllm_baseline_has_no_queue_limit_whatever_the_config_sets():
+# vLLM 0.33 with no scheduler flags (../shared/reference/engines.md): continuous batching, FCFS, no queue limit,
+# and on an A100 256 running requests, a 2,048-token budget, chunked prefill on, no prefill-chunk cap.
+VLLM_A100_DEFAULTS = {"policy": "continuous", "queue_order": "fcfs", "max_num_queued_reqs": None,
+                      "max_num_seqs": 256, "max_num_batched_tokens": 2048, "enable_chunked_prefill": True,
+                      "long_prefill_token_threshold": 0}
+
+
+def _baseline_rows(tmp_path, path: str, *overrides: str, trials: int = 3):
+    config = load_config(path, ["workload.num_requests=60", f"search.trials={trials}", "search.batch_size=4",
+                                "search.objectives=[goodput]", *overrides])
+    out = io.StringIO()
+    study = run_study(config, "rows", str(tmp_path / "s.db"), show_progress=False, console=Console(file=out, width=400))
+    return config, study, {t.user_attrs["baseline"]: t for t in study.trials if "baseline" in t.user_attrs}, \
+        out.getvalue()
+
+
+@pytest.mark.parametrize("path,overrides", [
+    ("examples/scenarios/batch_summarization.yaml", ()),                                     # sjf
+    ("examples/scenarios/multi_tenant_api.yaml", ()),                                        # fair
+    ("examples/chat.yaml", ("scheduler.queue_order=priority", "scheduler.max_num_queued_reqs=8")),
+    ("examples/static.yaml", ()),                                                            # static batching
+])
+def test_the_vllm_default_row_runs_vllms_defaults_whatever_the_config_sets(tmp_path, path, overrides):
+    config, study, rows, _ = _baseline_rows(tmp_path, path, *overrides)
+    ran = rows["vllm-default"].user_attrs["scheduler"]   # the resolved scheduler the trial simulated
+    assert {key: ran[key] for key in VLLM_A100_DEFAULTS} == VLLM_A100_DEFAULTS
+    assert rows["vllm-default"].state == TrialState.COMPLETE
+    assert trial_config(config, rows["vllm-default"]).scheduler.queue_order == "fcfs"   # what export writes
+    assert rows["as-configured"].user_attrs["scheduler"]["queue_order"] == config.scheduler.queue_order
+
+
+def test_a_config_at_vllms_defaults_keeps_the_vllm_default_row_and_says_so(tmp_path):
+    _, study, rows, printed = _baseline_rows(tmp_path, "examples/chat.yaml", "scheduler.max_num_seqs=256", trials=2)
+    assert sorted(rows) == ["chunk-512", "vllm-default"]
+    assert "baseline as-configured is the same configuration as vllm-default: one trial, named vllm-default" \
+        in printed
+    assert len(study.get_trials(states=(TrialState.COMPLETE,))) == 2
+
+
+def test_the_vllm_baseline_has_no_queue_limit_whatever_the_config_or_its_space_sets(tmp_path):
     # vLLM queues every request unless max-num-queued-reqs is set, so its baseline must not borrow the config's.
     config = load_config("examples/diurnal.yaml")
     assert config.scheduler.max_num_queued_reqs == 4
@@ -126,11 +185,24 @@ def test_the_vllm_baseline_has_no_queue_limit_whatever_the_config_sets():
     assert by_name["chunk-512"]["scheduler.max_num_queued_reqs"] is None
     assert by_name["as-configured"]["scheduler.max_num_queued_reqs"] == 4
 
-    no_unlimited = load_config("examples/diurnal.yaml",
-                               ["search.knobs={scheduler.max_num_queued_reqs: {choices: [1, 4, 16]}}"])
-    chosen, skipped = baselines(no_unlimited, SearchSpace.from_config(no_unlimited))
-    assert [name for name, _ in chosen] == ["as-configured"]
-    assert all("scheduler.max_num_queued_reqs" in reason for reason in skipped) and len(skipped) == 2
+    # A space without "no limit": the study's space holds it for the baselines alone; the sampler's proposals
+    # of it are pruned unrun, so the search stays within the choices given.
+    knobs = "search.knobs={scheduler.max_num_queued_reqs: {choices: [1, 4, 16]}}"
+    no_unlimited = load_config("examples/diurnal.yaml", [knobs])
+    assert [name for name, _ in baselines(no_unlimited, SearchSpace.from_config(no_unlimited))[0]] == \
+        ["as-configured"]
+    held = space_with_baselines(no_unlimited)
+    assert [name for name, _ in baselines(no_unlimited, held)[0]] == ["as-configured", "vllm-default", "chunk-512"]
+    assert held.grid() == {"scheduler.max_num_queued_reqs": [1, 4, 16]}
+    _, study, rows, _ = _baseline_rows(tmp_path, "examples/chat.yaml", knobs, "scheduler.max_num_queued_reqs=4",
+                                       "search.sampler=random", trials=6)
+    assert rows["vllm-default"].user_attrs["scheduler"]["max_num_queued_reqs"] is None
+    sampled = [t for t in study.trials if "baseline" not in t.user_attrs]
+    assert sorted(t.params["scheduler.max_num_queued_reqs"] for t in sampled if t.state == TrialState.COMPLETE) == \
+        [1, 16]   # with as-configured's 4, vllm-default and chunk-512: six COMPLETE trials
+    held = [t for t in sampled if t.params["scheduler.max_num_queued_reqs"] is None]
+    assert held and all(t.state == TrialState.PRUNED and "request_goodput" not in t.user_attrs for t in held)
+    assert {t.user_attrs["held_for_baseline"] for t in held} == {"scheduler.max_num_queued_reqs=None"}
 
 
 def test_a_study_refuses_another_problem_under_its_name(tmp_path):
@@ -151,7 +223,7 @@ def test_cmaes_refuses_several_objectives():
 
 @pytest.mark.parametrize("search,message", [
     ({"knobs": {"scheduler.max_num_seqs": {"low": 0, "high": 8}}},
-     "search.knobs.scheduler.max_num_seqs.low: got 0, expected an integer ≥ 1"),
+     "search.knobs.scheduler.max_num_seqs.low: got 0, expected an integer in [1, 65536]"),
     ({"knobs": {"scheduler.max_num_seq": {"low": 1, "high": 8}}},
      "search.knobs.scheduler.max_num_seq: unknown key; did you mean search.knobs.scheduler.max_num_seqs?"),
     ({"knobs": {"workload.seed": {"low": 1, "high": 8}}}, "search.knobs.workload.seed: not searchable"),
@@ -259,7 +331,7 @@ def test_a_trial_vllm_would_refuse_is_pruned_unrun_with_its_reason_and_never_cho
 
 
 def test_a_space_vllm_refuses_throughout_stops_the_study(tmp_path, monkeypatch):
-    monkeypatch.setattr(study_module, "MAX_REFUSED_IN_A_ROW", 6)
+    monkeypatch.setattr(study_module, "MAX_UNRUN_IN_A_ROW", 6)
     knobs = {"scheduler.max_num_batched_tokens": {"low": 256, "high": 2048},
              "scheduler.enable_chunked_prefill": {"choices": [False]}}
     study, printed = _refused_study(tmp_path, knobs, sampler="random", trials=5, batch_size=4)
@@ -286,3 +358,44 @@ def test_the_evaluators_lowered_seat_cap_changes_no_run():
     [(_, metrics)] = BatchEvaluator(1).evaluate([config])
     metrics.pop("truncated")
     assert metrics == single
+
+
+def test_a_proposal_repeating_a_configuration_is_failed_unrun_and_counts_toward_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(study_module, "MAX_UNRUN_IN_A_ROW", 12)
+    # Four configurations; ten trials asked of a random sampler, which proposes them over and over.
+    knobs = {"scheduler.max_num_seqs": {"choices": [12, 16]}, "scheduler.max_num_batched_tokens": {"choices": [1024]},
+             "scheduler.long_prefill_token_threshold": {"choices": [0, 128]}}
+    study, printed = _refused_study(tmp_path, knobs, sampler="random", trials=10, batch_size=4)
+    complete = study.get_trials(states=(TrialState.COMPLETE,))
+    assert len(complete) == 4 == len({tuple(sorted(t.params.items())) for t in complete})
+    repeats = [t for t in study.trials if "repeat_of" in t.user_attrs]
+    assert repeats and all(t.state == TrialState.FAIL and "request_goodput" not in t.user_attrs for t in repeats)
+    for trial in repeats:
+        original = study.trials[trial.user_attrs["repeat_of"]]
+        assert original.state == TrialState.COMPLETE and original.params == trial.params
+    assert "stopping with 4 of 10 COMPLETE trials, each a distinct configuration" in printed
+
+
+@pytest.mark.parametrize("sampler", ["random", "tpe"])
+def test_a_resumed_study_proposes_none_of_its_first_runs_configurations_again(tmp_path, sampler):
+    """A second run is a new sampler, as after a restart: seeded as the first, it would replay the first run's
+    random proposals (TPE's start-up trials are random)."""
+    # Some 43,000 configurations, every one vLLM would start with.
+    knobs = {**STUDY_KNOBS, "scheduler.max_num_batched_tokens": {"low": 256, "high": 2048},
+             "scheduler.enable_chunked_prefill": {"choices": [True]}}
+    storage = str(tmp_path / "s.db")
+    run_study(study_config(knobs=knobs, sampler=sampler, trials=5, batch_size=4), "resumed", storage,
+              show_progress=False)
+    study = run_study(study_config(knobs=knobs, sampler=sampler, trials=10, batch_size=4), "resumed", storage,
+                      show_progress=False)
+    complete = study.get_trials(states=(TrialState.COMPLETE,))
+    assert len(complete) == 10 == len({tuple(sorted(t.params.items())) for t in complete})
+    assert not [t for t in study.trials if "repeat_of" in t.user_attrs]
+
+
+def test_the_first_run_keeps_the_studys_seed_and_a_resumed_one_draws_its_own():
+    from servetune.search.study import run_seed
+
+    assert run_seed(7, 0) == 7
+    assert len({run_seed(7, 5), run_seed(7, 6), run_seed(8, 5), 7}) == 4
+    assert run_seed(7, 5) == run_seed(7, 5)
