@@ -24,7 +24,7 @@ import optuna
 from servetune.config import Config
 from servetune.config_loader import load_config
 from servetune.pipeline import resolve
-from servetune.search.baselines import vllm_default_knobs
+from servetune.vllm_defaults import vllm_default_knobs
 from servetune.search.capacity import find_capacity
 from servetune.search.evaluate import BatchEvaluator, use_persistent_compilation_cache
 from servetune.search.export import Policy, export

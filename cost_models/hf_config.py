@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from servetune.cost_models.models import ModelSpec
-from servetune.errors import UserError, reading_user_file
+from servetune.errors import UserError, parse_json, reading_user_file
 
 # Families whose MLP is gated (gate and up projections, SiLU/GELU-gated): three matrices per layer.
 GATED_MODEL_TYPES = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "internlm", "internlm2", "gemma", "gemma2",
@@ -158,14 +158,7 @@ def load_hf_config(path: Path) -> ModelSpec:
             raise UserError(f"{path}: {path.stat().st_size:,} bytes, expected {expected} of at most "
                             f"{MAX_FILE_BYTES:,}")
         text = path.read_text(encoding="utf-8")
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise UserError(f"{path}: line {error.lineno}, column {error.colno}: not valid JSON ({error.msg}), "
-                        f"expected {expected}") from None
-    except (ValueError, RecursionError):   # a number past Python's digit limit; nesting past its recursion limit
-        raise UserError(f"{path}: not JSON that Python reads (a number with too many digits, or nesting too "
-                        f"deep), expected {expected}") from None
+    config = parse_json(text, path, expected)
     if not isinstance(config, dict):
         raise UserError(f"{path}: got {_show(config)}, expected {expected}: a JSON object of model settings")
     experts_key, experts = _first(config, EXPERT_COUNT_KEYS)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from servetune.cost_models.roofline import Calibration
-from servetune.errors import InvalidValue, UserError, reading_user_file
+from servetune.errors import InvalidValue, UserError, parse_json, reading_user_file
 
 PROFILE_FORMAT = 1
 MAX_PROFILE_BYTES = 16 * 2**20   # calibrate writes a few kilobytes
@@ -80,14 +80,7 @@ def load_profile(path: Path) -> tuple[Calibration, dict[str, Any]]:
             raise UserError(f"{path}: {Path(path).stat().st_size:,} bytes, expected {expected} of at most "
                             f"{MAX_PROFILE_BYTES:,}")
         text = Path(path).read_text(encoding="utf-8")
-    try:
-        document = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise UserError(f"{path}: line {error.lineno}, column {error.colno}: not valid JSON ({error.msg}), "
-                        f"expected {expected}") from None
-    except (ValueError, RecursionError):   # a number past Python's digit limit; nesting past its recursion limit
-        raise UserError(f"{path}: not JSON that Python reads (a number with too many digits, or nesting too "
-                        f"deep), expected {expected}") from None
+    document = parse_json(text, path, expected)
     if not isinstance(document, dict):
         raise UserError(f"{path}: got a JSON {type(document).__name__}, expected {expected}: a JSON object")
     if document.get("servetune_cost_profile") != PROFILE_FORMAT:

@@ -36,7 +36,7 @@ from servetune.config import Config
 from servetune.envs import engine
 from servetune.envs.queue_order import FEATURES, order_weights
 from servetune.pytree import pytree_dataclass
-from servetune.search.baselines import vllm_default_knobs
+from servetune.vllm_defaults import vllm_default_knobs
 
 DEFAULT_BOUNDS = {
     "max_num_seqs": (1, 256),

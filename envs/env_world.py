@@ -37,13 +37,12 @@ from servetune.envs.prefix_cache import PrefixHits
 from servetune.envs.queue_order import NO_DEADLINE_S
 from servetune.envs.double_float import split_double
 from servetune.envs.simulator import (
-    device_trace, engine_params, iteration_guard, prefix_cache_hits,
+    concurrency_bound, device_trace, engine_params, iteration_guard, prefix_cache_hits,
 )
 from servetune.envs.slos import RequestSlos, per_request_slos
 from servetune.envs.workload import Workload, build_workload, take_rows
 from servetune.pipeline import resolve
 from servetune.pytree import pytree_dataclass, static_field
-from servetune.search.evaluate import concurrency_bound
 from servetune.types import StepBatch
 
 DEFAULT_INTERVAL_S = 1.0

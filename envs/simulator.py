@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from servetune.config import SchedulerConfig
+from servetune.config import Config, SchedulerConfig
 from servetune.envs import engine
 from servetune.envs.double_float import split_double
 from servetune.envs.outcome import (
@@ -58,6 +58,25 @@ def device_trace(workload: Workload, length_prediction_noise: float = 0.0,
         rate_limited=jnp.asarray(np.zeros(workload.num_requests, bool) if rate_limited is None else rate_limited),
         **closed_loop,
     )
+
+
+def concurrency_bound(config: Config, workload: Workload) -> int:
+    """The most requests a resolved continuous-batching config can ever run at once.
+
+    A running request holds at least one KV block (its first scheduled chunk's) and gains blocks until it
+    leaves. A request admitted beside others must leave the watermark's ``W = int(watermark · num_kv_blocks)``
+    blocks free beyond its first chunk's -- beyond its whole prompt's with ``reserve_full_prompt``, which is at
+    least ``⌈shortest prompt / block_size⌉`` blocks. So with n running, the last admitted found at most
+    ``usable − (n − 1)`` blocks free, and ``n ≤ usable − W − least need + 1``; nor can more requests run than
+    the workload has. A max_num_seqs above the bound never stops an admission.
+    """
+    scheduler = config.scheduler
+    watermark_blocks = int(scheduler.watermark * scheduler.num_kv_blocks)
+    least_need = 1
+    if scheduler.reserve_full_prompt and workload.num_requests:
+        least_need = max(1, math.ceil(int(workload.prompt_tokens.min()) / scheduler.block_size))
+    by_blocks = scheduler.usable_kv_blocks - watermark_blocks - least_need + 1
+    return max(1, min(scheduler.max_num_seqs, by_blocks, workload.num_requests))
 
 
 def num_slots_for(schedulers: Sequence[SchedulerConfig]) -> int:

@@ -23,28 +23,10 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from servetune.config import Config
-from servetune.cost_models.catalog import resolve_gpu
-from servetune.cost_models.gpus import GIB
 from servetune.search.space import SearchSpace, apply_knobs
-
-LARGE_GPU_BYTES = 70 * GIB
+from servetune.vllm_defaults import vllm_default_knobs
 BASELINE_ATTR = "baseline"   # a baseline trial's user attribute: its name
 VLLM_DEFAULT, CHUNK_512, AS_CONFIGURED = "vllm-default", "chunk-512", "as-configured"
-
-
-def vllm_default_knobs(config: Config) -> dict[str, Any]:
-    """vLLM 0.33's scheduler defaults for the config's GPU, as dotted config keys."""
-    gpu = resolve_gpu(config.hardware.gpu)
-    large = gpu.memory_bytes >= LARGE_GPU_BYTES and not gpu.name.startswith("a100")
-    return {
-        "scheduler.policy": "continuous",
-        "scheduler.queue_order": "fcfs",
-        "scheduler.max_num_seqs": 1024 if large else 256,
-        "scheduler.max_num_batched_tokens": 8192 if large else 2048,
-        "scheduler.enable_chunked_prefill": True,
-        "scheduler.long_prefill_token_threshold": 0,
-        "scheduler.max_num_queued_reqs": None,
-    }
 
 
 def baseline_settings(config: Config, name: Optional[str]) -> dict[str, Any]:

@@ -5,6 +5,7 @@ stand alone: one line naming the file, the field, the value found and what was e
 """
 from __future__ import annotations
 
+import json
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
@@ -64,3 +65,15 @@ class InvalidValue(UserError):
         self.name, self.value, self.expected = name, value, expected
         shown = repr(value)
         super().__init__(f"{name}: got {shown if len(shown) <= 60 else shown[:60] + '...'}, expected {expected}")
+
+
+def parse_json(text: str, path, expected: str):
+    """``text`` (the file ``path``) as JSON; a UserError naming the line and column, or why Python cannot read it."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise UserError(f"{path}: line {error.lineno}, column {error.colno}: not valid JSON ({error.msg}), "
+                        f"expected {expected}") from None
+    except (ValueError, RecursionError):   # a number past Python's digit limit; nesting past its recursion limit
+        raise UserError(f"{path}: not JSON that Python reads (a number with too many digits, or nesting too "
+                        f"deep), expected {expected}") from None

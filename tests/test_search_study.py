@@ -14,9 +14,11 @@ from rich.console import Console
 from search_configs import STUDY_KNOBS, study_config
 from servetune.config_loader import config_from_dict, load_config
 from servetune.errors import ConfigError, UserError
+from servetune.envs.simulator import concurrency_bound
 from servetune.pipeline import resolve, simulate_config
-from servetune.search.baselines import baselines, space_with_baselines, vllm_default_knobs
-from servetune.search.evaluate import BatchEvaluator, concurrency_bound, use_persistent_compilation_cache
+from servetune.search.baselines import baselines, space_with_baselines
+from servetune.search.evaluate import BatchEvaluator, use_persistent_compilation_cache
+from servetune.vllm_defaults import vllm_default_knobs
 from servetune.search.space import SearchSpace, apply_knobs
 from servetune.search import study as study_module
 from servetune.search.study import (
