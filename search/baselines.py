@@ -15,8 +15,10 @@
 
 What vLLM's defaults leave to the deployment -- the model, GPU, KV cache, block size, max_model_len, prefix
 caching -- stays the config's. A baseline's knob value that is not among a range's bounds is recorded as
-Optuna records any enqueued value (with a warning); ``as-configured`` and ``chunk-512`` are left out, with the
-reason, when a value of theirs is not among a knob's choices.
+Optuna records any enqueued value (with a warning), except None ("no limit"), which no range holds: vllm-default's
+and chunk-512's trials record the range's top there and run with their own None. ``as-configured`` and
+``chunk-512`` are left out, with the reason, when a value of theirs is not among a knob's choices, and
+``as-configured`` when it is None on a range.
 """
 from __future__ import annotations
 
@@ -54,6 +56,17 @@ def baselines(config: Config, space: SearchSpace) -> tuple[list[tuple[str, dict]
     chosen, notes = [], []
     for name, values in candidates:
         outside = space.outside_choices(values)
+        unstorable = [knob for knob in space.knobs if knob.spec.choices is None and values[knob.key] is None]
+        if name == AS_CONFIGURED and unstorable:
+            notes.append(f"baseline {name} left out: {', '.join(f'{k.key}=None' for k in unstorable)} (no limit), "
+                         "which a range cannot record")
+            continue
+        if unstorable:
+            # No Optuna range holds None ("no limit"); the baseline's own settings set it when the trial runs.
+            values = {**values, **{knob.key: knob.spec.high for knob in unstorable}}
+            notes.append(f"baseline {name}: {', '.join(k.key for k in unstorable)} is None (no limit), which a "
+                         f"range cannot record; its trial shows the range's top, "
+                         f"{', '.join(f'{k.spec.high:g}' for k in unstorable)}, and runs with no limit")
         twin = None
         if name == AS_CONFIGURED:
             twin = next((other for other, _ in candidates[1:] if configured[other] == configured[name]), None)

@@ -178,8 +178,8 @@ def test_a_config_at_vllms_defaults_keeps_the_vllm_default_row_and_says_so(tmp_p
 
 def test_the_vllm_baseline_has_no_queue_limit_whatever_the_config_or_its_space_sets(tmp_path):
     # vLLM queues every request unless max-num-queued-reqs is set, so its baseline must not borrow the config's.
-    config = load_config("examples/diurnal.yaml")
-    assert config.scheduler.max_num_queued_reqs == 4
+    choices = "search.knobs={scheduler.max_num_queued_reqs: {choices: [null, 1, 2, 4, 8]}}"
+    config = load_config("examples/diurnal.yaml", [choices, "scheduler.max_num_queued_reqs=4"])
     chosen, skipped = baselines(config, SearchSpace.from_config(config))
     by_name = dict(chosen)
     assert skipped == []
@@ -205,6 +205,22 @@ def test_the_vllm_baseline_has_no_queue_limit_whatever_the_config_or_its_space_s
     held = [t for t in sampled if t.params["scheduler.max_num_queued_reqs"] is None]
     assert held and all(t.state == TrialState.PRUNED and "request_goodput" not in t.user_attrs for t in held)
     assert {t.user_attrs["held_for_baseline"] for t in held} == {"scheduler.max_num_queued_reqs=None"}
+
+
+def test_a_range_over_the_queue_limit_runs_the_baselines_without_one(tmp_path):
+    # No Optuna range holds None: vllm-default's trial records the range's top and runs with no limit; a config
+    # without a limit of its own has no as-configured row (it would run with the top instead).
+    knobs = "search.knobs={scheduler.max_num_queued_reqs: {low: 8, high: 512, log: true}}"
+    _, _, rows, printed = _baseline_rows(tmp_path, "examples/chat.yaml", knobs, trials=3)
+    assert sorted(rows) == ["chunk-512", "vllm-default"]
+    for name in ("vllm-default", "chunk-512"):
+        assert rows[name].params["scheduler.max_num_queued_reqs"] == 512
+        assert rows[name].user_attrs["scheduler"]["max_num_queued_reqs"] is None
+        assert rows[name].state == TrialState.COMPLETE
+    assert "baseline as-configured left out: scheduler.max_num_queued_reqs=None (no limit), which a range " \
+           "cannot record" in printed
+    assert "baseline vllm-default: scheduler.max_num_queued_reqs is None (no limit), which a range cannot " \
+           "record; its trial shows the range's top, 512, and runs with no limit" in printed
 
 
 def test_a_study_refuses_another_problem_under_its_name(tmp_path):
