@@ -84,6 +84,7 @@ class WorkloadBank:
     tpot_max_s: jnp.ndarray
     e2el_max_s: jnp.ndarray
     day_offset_s: jnp.ndarray      # float32 [K]: the window's start on its trace's clock (0 when generated)
+    day_scale: jnp.ndarray         # float32: the workload's seconds per simulated second (``workload_clock_scale``)
     context: jnp.ndarray           # float32 [K, len(CONTEXT_FIELDS)]
 
 
@@ -146,6 +147,21 @@ def variant_config(config: Config, index: int) -> Config:
     else:
         workload = dataclasses.replace(workload, seed=workload.seed + index)
     return dataclasses.replace(config, workload=workload)
+
+
+def workload_clock_scale(config: Config) -> float:
+    """How many of the workload's own seconds one simulated second stands for: a piecewise or ServeGen
+    profile's ``time_scale`` (a day compressed 120x into 720 s: 120), 1 for a trace or a generated process. It
+    makes ServeControl's ``time_of_day`` the workload's time of day, not the compressed clock's. Tenants with
+    their own arrivals must agree on it, or no one time of day exists."""
+    workload = config.workload
+    processes = [tenant.arrivals for tenant in workload.tenants] if workload.tenant_arrivals else [workload.arrivals]
+    scales = sorted({float(a.time_scale) if a.kind in ("piecewise", "servegen") else 1.0 for a in processes})
+    if len(scales) > 1:
+        raise ValueError(f"workload.tenants: the tenants' arrivals play their days at different speeds "
+                         f"(time_scale {', '.join(f'{s:g}' for s in scales)}), so ServeControl's time_of_day "
+                         "has no single meaning; give every tenant the same time_scale")
+    return scales[0]
 
 
 def _float32_limit(limit_ms: np.ndarray) -> np.ndarray:
@@ -266,6 +282,7 @@ def build_world(config: Union[str, Path, Mapping, Config], *, overrides: Sequenc
         day_offset_s=jnp.asarray([variant_config(config, k).workload.arrivals.window_start_s
                                   if config.workload.arrivals.kind == "trace" else 0.0
                                   for k in range(num_workloads)], jnp.float32),
+        day_scale=jnp.float32(workload_clock_scale(config)),
         context=jnp.asarray(contexts, jnp.float32),
     )
 

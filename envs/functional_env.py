@@ -27,7 +27,8 @@ the clock reaches the episode's end first. The observation (``control_observatio
   TTFT / their own TTFT SLO (0 for a request without one); itl_p50_slo, itl_p99_slo: percentiles of every
   inter-token gap emitted in the interval over the tightest ITL SLO (0 when there is none). 0 without data.
   Both are read from log-spaced histograms (as run.json's pooled ITL percentiles are), exact to about 1%;
-- time_of_day (fraction of a day on the workload's clock, whose 0 is the trace's own), elapsed_fraction
+- time_of_day (fraction of a day on the workload's clock: a trace's own, whose 0 is the trace's, or a
+  compressed profile's day, envs/env_world.py ``workload_clock_scale``), elapsed_fraction
   (of the episode; 0 without a time limit);
 - backlog_<tenant>: waiting requests per tenant (class); then the knobs in force, in action units.
 
@@ -233,7 +234,7 @@ def _observe(params: EnvParams, variant, trace, before, after, action, start_s, 
     gaps = after.itl_histogram - before.itl_histogram
     itl_p50 = _histogram_percentile(gaps, 50.0, ITL_EDGES) / params.itl_slo_s
     itl_p99 = _histogram_percentile(gaps, 99.0, ITL_EDGES) / params.itl_slo_s
-    day = jnp.mod(bank.day_offset_s[variant] + end_s, SECONDS_PER_DAY) / SECONDS_PER_DAY
+    day = jnp.mod(bank.day_offset_s[variant] + end_s * bank.day_scale, SECONDS_PER_DAY) / SECONDS_PER_DAY
     elapsed = end_s / (params.episode_hi + params.episode_lo)   # 0 without a time limit
     fields = jnp.stack([
         after.queue_len.astype(f32), queued_tokens.astype(f32), _running(after).astype(f32), kv, rate,

@@ -6,9 +6,12 @@ observation and action names in order, the control interval, the hash of the con
 (search/rl_train.py ``policy_hash``), that config itself, where its file lies from the policy's folder, and the
 software versions it was trained with.
 
-Format 2 records the config's files by content in the hash and by paths relative to the config, and the
-config's own path relative to the policy file, so that a policy moves with its repository. Format 1 (read
-still) hashed and recorded absolute paths, and named the config from the folder training ran in.
+Format 3 is format 2 with ``time_of_day`` observed on the workload's own day (a day compressed into 720 s
+reads 0 to 1 over those 720 s; format 2's read the compressed clock, 0 to 0.008), and the learner's name and
+the observations it reads (``algo``, ``features``) in the metadata. Format 2 records the config's files by
+content in the hash and by paths relative to the config, and the config's own path relative to the policy
+file, so that a policy moves with its repository. Format 1 (read still) hashed and recorded absolute paths,
+and named the config from the folder training ran in.
 
     policy = load_policy("results/rl/diurnal/policy.safetensors")
     knobs = policy(observation)       # {"max_num_seqs": 48, "max_num_batched_tokens": 1024, ...}
@@ -33,8 +36,8 @@ from servetune.config import STEERABLE_KNOBS as INT_KNOBS
 from servetune.errors import UserError
 
 FORMAT = "servetune-policy"
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 _OBS_CLIP, _VAR_EPS = 10.0, 1e-8
 
 

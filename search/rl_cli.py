@@ -24,10 +24,12 @@ from servetune.search.storage import check_existing_storage, check_writable_stor
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    train = subparsers.add_parser("train-rl", help="train an adaptive scheduler with PPO on ServeControl-v0")
+    train = subparsers.add_parser("train-rl", help="train an adaptive scheduler on ServeControl-v0 (PPO, or "
+                                                   "evolution strategies)")
     train.add_argument("config", help="YAML config (its rl section sets the environment and PPO)")
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config field, e.g. --set rl.learning_rate=1e-3 (repeatable)")
+    train.add_argument("--algo", choices=("ppo", "es"), help="the learner (default: rl.algo)")
     train.add_argument("--timesteps", type=int, help="environment steps in all (default: rl.timesteps)")
     train.add_argument("--num-envs", type=int, help="environments stepped together (default: rl.num_envs)")
     train.add_argument("--seed", type=int, help="network and sampling seed (default: rl.seed)")
@@ -66,7 +68,7 @@ def _check_positive(name: str, value: Optional[int]) -> None:
 def _rl_overrides(args: argparse.Namespace) -> list[str]:
     """The flags as --set overrides, so the loader checks them like any field (num_minibatches must divide
     num_envs × num_steps ...)."""
-    changes = {"timesteps": args.timesteps, "num_envs": args.num_envs, "seed": args.seed}
+    changes = {"algo": args.algo, "timesteps": args.timesteps, "num_envs": args.num_envs, "seed": args.seed}
     return [f"rl.{key}={value}" for key, value in changes.items() if value is not None]
 
 
@@ -82,16 +84,20 @@ def run_train(args: argparse.Namespace) -> int:
     use_persistent_compilation_cache()
     console = Console(stderr=True)
     # The figures wrap under a narrow terminal's bar rather than being cut.
-    columns = (TextColumn("[bold]PPO"), BarColumn(bar_width=20), MofNCompleteColumn(), TimeElapsedColumn(),
+    columns = (TextColumn(f"[bold]{config.rl.algo.upper()}"), BarColumn(bar_width=20), MofNCompleteColumn(),
+               TimeElapsedColumn(),
                TimeRemainingColumn(), TextColumn("{task.fields[figures]}", table_column=Column(overflow="fold")))
     with Progress(*columns, console=console, disable=args.no_progress) as progress:
-        task = progress.add_task("train", total=None, figures="compiling")
+        starting = ("playing the config's knobs on the training days (the baseline), compiling"
+                    if config.rl.algo == "es" else "compiling")
+        task = progress.add_task("train", total=None, figures=starting)
 
         def on_update(row: dict, total: int) -> None:
             figures = progress.tasks[0].fields["figures"]
             if row["episodes"]:
                 attainment = row["slo_attainment"]
-                figures = (f"return {row['episode_return']:,.1f} · goodput {row['goodput']:.3f} req/s · "
+                gain = f"{row['gain_over_static']:+.1%} over the config's knobs · " if "gain_over_static" in row else ""
+                figures = (f"return {row['episode_return']:,.1f} · {gain}goodput {row['goodput']:.3f} req/s · "
                            f"attainment {'—' if attainment is None else f'{attainment:.1%}'}")
             progress.update(task, total=total, completed=row["update"], figures=figures)
 
@@ -118,6 +124,16 @@ def check_policy_config(policy, config: Config, allow_other: bool) -> None:
                         f"this config {ours}: see its metadata's config_source "
                         f"{policy.metadata.get('config_source') or '?'}){older}; pass --allow-other-config to "
                         "evaluate it here anyway")
+    from servetune.envs.env_world import workload_clock_scale
+
+    try:
+        scale = workload_clock_scale(config)
+    except ValueError as error:
+        raise UserError(f"{config.source or 'config'}: {error}") from None
+    if policy.format_version < 3 and scale != 1.0:
+        raise UserError(f"{policy.path}: a policy file of format {policy.format_version} read time_of_day on the "
+                        f"simulated clock, and this config plays its day {scale:g}x faster, so the policy would "
+                        "read another time of day than it was trained on: train it again")
 
 
 def space_holding_baselines(config: Config) -> Config:
@@ -218,7 +234,9 @@ def run_eval(args: argparse.Namespace) -> int:
     out.print(table)
     gain = document.get("gain_over_best_static")
     if gain is not None and gain["mean"] is not None:
-        out.print(f"policy vs best static ({origin}): goodput {_cell(gain, True, separator=' ')} (paired by episode)")
+        days = ", ".join(f"{value:+.1%}" for value in gain["values"])
+        out.print(f"policy vs best static ({origin}): goodput {_cell(gain, True, separator=' ')} (paired by episode: "
+                  f"{days})")
     if args.out:
         args.out.write_text(json.dumps(document, indent=1) + "\n")
         out.print(f"wrote {args.out}")

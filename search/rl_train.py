@@ -36,6 +36,7 @@ from servetune.envs import functional_env as core
 from servetune.envs.env_actions import action_names
 from servetune.envs.env_world import World, build_world
 from servetune.errors import UserError
+from servetune.search.es import EsEnv, EsState, EsTrainer, make_es
 from servetune.search.policy_file import write_policy
 from servetune.search.ppo import EnvSpec, TrainState, Trainer, make_train
 from servetune.search.provenance import config_data, content_data
@@ -96,22 +97,31 @@ def _learner(state: TrainState) -> dict:
             "return_stats": state.return_stats, "key": state.key, "update": state.update}
 
 
-def save_checkpoint(path: Path, state: TrainState) -> None:
-    leaves = jax.tree_util.tree_flatten_with_path(_learner(state))[0]
+def _es_learner(state: EsState) -> dict:
+    return {field.name: getattr(state, field.name) for field in dataclasses.fields(state)}
+
+
+def _learner_of(state) -> dict:
+    return _es_learner(state) if isinstance(state, EsState) else _learner(state)
+
+
+def save_checkpoint(path: Path, state) -> None:
+    """The learner (a PPO TrainState's, or an EsState whole) as safetensors, by pytree path."""
+    leaves = jax.tree_util.tree_flatten_with_path(_learner_of(state))[0]
     # np.array, not np.ascontiguousarray: that one makes 0-d leaves (counts, the update number) 1-d.
     save_file({jax.tree_util.keystr(p): np.array(v, order="C") for p, v in leaves}, str(path))
 
 
-def load_checkpoint(path: Path, template: TrainState) -> TrainState:
-    """``template`` (a fresh ``trainer.init``) with the learner's leaves read from ``path``; its environments
-    start afresh (their states are not checkpointed: they are large and restart at a reset anyway)."""
+def load_checkpoint(path: Path, template):
+    """``template`` (a fresh ``trainer.init``) with the learner's leaves read from ``path``; a PPO state's
+    environments start afresh (they are not checkpointed: they are large and restart at a reset anyway)."""
     saved = load_file(str(path))
-    paths, treedef = jax.tree_util.tree_flatten_with_path(_learner(template))
+    paths, treedef = jax.tree_util.tree_flatten_with_path(_learner_of(template))
     leaves = []
     for p, leaf in paths:
         name = jax.tree_util.keystr(p)
         if name not in saved or saved[name].shape != np.shape(leaf):
-            raise UserError(f"{path}: checkpoint does not match this config's network and optimiser "
+            raise UserError(f"{path}: checkpoint does not match this config's learner, network and optimiser "
                             f"({name} missing or of another shape); train afresh or use another --out")
         leaves.append(jnp.asarray(saved[name], dtype=np.asarray(leaf).dtype))
     return dataclasses.replace(template, **jax.tree_util.tree_unflatten(treedef, leaves))
@@ -142,7 +152,16 @@ def _episode_figures(metrics: dict) -> dict:
     return row
 
 
-def write_curve(history: list[dict], path: Path, title: str) -> None:
+CURVES = {
+    "ppo": (("episode_return", "episode return"), ("goodput", "goodput (req/s)"), ("slo_attainment", "SLO attainment")),
+    "es": (("gain_over_static", "return over the config's\nknobs, same days"), ("goodput", "goodput (req/s)"),
+           ("slo_attainment", "SLO attainment")),
+}
+CURVE_NOTES = {"ppo": "training episodes: sampled actions (eval-policy plays the mean)",
+               "es": "the policy itself (the population's centre) on each generation's days"}
+
+
+def write_curve(history: list[dict], path: Path, title: str, algo: str = "ppo") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -151,11 +170,13 @@ def write_curve(history: list[dict], path: Path, title: str) -> None:
     rows = [row for row in history if row["episodes"]]
     steps = [row["timesteps"] for row in rows]
     fig, axes = plt.subplots(3, 1, figsize=(7, 7), sharex=True)
-    for ax, key, label in zip(axes, ("episode_return", "goodput", "slo_attainment"),
-                              ("episode return", "goodput (req/s)", "SLO attainment")):
+    for ax, (key, label) in zip(axes, CURVES[algo]):
         ax.plot(steps, [row.get(key) if row.get(key) is not None else np.nan for row in rows], lw=1.2)
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
+    if algo == "es":
+        axes[0].axhline(0.0, color="grey", lw=0.8)
+        axes[0].yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
     axes[-1].set_xlabel("environment steps (control intervals)")
     axes[0].set_title(title, fontsize=10)
     fig.tight_layout()
@@ -163,25 +184,72 @@ def write_curve(history: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def _write_history(out: Path, config: Config, trainer: Trainer, history: list[dict], compile_s: float,
-                   train_s: float, updates_timed: int) -> float:
+@dataclass(frozen=True)
+class _Learner:
+    """PPO's Trainer or ES's EsTrainer as the training loop drives it: one jitted step (an update, or a
+    generation), how many, and the environment steps each takes."""
+
+    init: Callable
+    step: Callable
+    compile: Callable      # state -> ``step`` compiled ahead for that state
+    num_steps: int
+    env_steps_per_step: int
+    network: Callable      # state -> the actor's network dict
+    obs_stats: Callable    # state -> (mean, var) the actor normalises with
+
+
+def _make_learner(config: Config, world: World) -> _Learner:
+    rl = config.rl
+    if rl.algo == "es":
+        es: EsTrainer = make_es(es_env(world, rl), rl)
+        return _Learner(es.init, es.generation, es.compile, es.num_generations, es.steps_per_generation,
+                        es.network, lambda state: (state.obs_mean, state.obs_var))
+    ppo: Trainer = make_train(env_spec(world), rl)
+    return _Learner(ppo.init, ppo.update, lambda state: ppo.update.lower(state).compile(), ppo.num_updates,
+                    ppo.steps_per_update, lambda state: state.network,
+                    lambda state: (state.obs_stats.mean, state.obs_stats.var))
+
+
+def feature_indices(world: World, features) -> tuple[int, ...]:
+    """The positions of ``rl.features`` among ServeControl's observations (all of them for None)."""
+    names = core.control_observation_names(world)
+    if features is None:
+        return tuple(range(len(names)))
+    unknown = [name for name in features if name not in names]
+    if unknown:
+        raise UserError(f"rl.features: {unknown[0]!r} is not one of this world's observations "
+                        f"({', '.join(names)})")
+    return tuple(names.index(name) for name in features)
+
+
+def es_env(world: World, rl) -> EsEnv:
+    return EsEnv(reset_to=core.control_reset_to, step=core.control_step, params=world.params,
+                 obs_size=len(core.control_observation_names(world)),
+                 action_size=len(action_names(world.params.bounds)), intervals=intervals_per_episode(world),
+                 num_days=len(world.workloads), initial_action=world.params.config_action,
+                 features=feature_indices(world, rl.features))
+
+
+def _write_history(out: Path, config: Config, learner: _Learner, history: list[dict], compile_s: float,
+                   train_s: float, steps_timed: int) -> float:
     """training.json; returns the environment steps per second of the updates this run timed."""
-    steps_per_s = trainer.steps_per_update * updates_timed / max(train_s, 1e-9)
+    steps_per_s = learner.env_steps_per_step * steps_timed / max(train_s, 1e-9)
     (out / HISTORY_FILE).write_text(json.dumps({
-        "config_source": config.source, "config_hash": policy_hash(config), "compile_s": compile_s,
-        "train_s": train_s, "env_steps_per_s": steps_per_s, "steps_per_update": trainer.steps_per_update,
-        "num_updates": trainer.num_updates, "history": history}, indent=1) + "\n")
+        "config_source": config.source, "config_hash": policy_hash(config), "algo": config.rl.algo,
+        "compile_s": compile_s, "train_s": train_s, "env_steps_per_s": steps_per_s,
+        "steps_per_update": learner.env_steps_per_step, "num_updates": learner.num_steps,
+        "history": history}, indent=1) + "\n")
     return steps_per_s
 
 
 def train_policy(config: Config, world: World, out: Path, resume: bool = False,
                  on_update: Optional[Callable[[dict, int], None]] = None) -> TrainingResult:
-    """Train on ``world`` (``control_world(config)``) and write the output folder; ``on_update(row, total)``
-    after each update (for a progress bar)."""
+    """Train on ``world`` (``control_world(config)``) with ``rl.algo`` and write the output folder;
+    ``on_update(row, total)`` after each update or generation (for a progress bar)."""
     rl = config.rl
-    trainer: Trainer = make_train(env_spec(world), rl)
+    learner = _make_learner(config, world)
     out.mkdir(parents=True, exist_ok=True)
-    state = trainer.init(jax.random.PRNGKey(rl.seed))
+    state = learner.init(jax.random.PRNGKey(rl.seed))
     history: list[dict] = []
     if resume:
         checkpoint = out / CHECKPOINT_FILE
@@ -189,44 +257,51 @@ def train_policy(config: Config, world: World, out: Path, resume: bool = False,
             raise UserError(f"--resume: {checkpoint} does not exist; train without --resume first")
         state = load_checkpoint(checkpoint, state)
         if (out / HISTORY_FILE).is_file():
-            history = json.loads((out / HISTORY_FILE).read_text())["history"][:int(state.update)]
+            history = json.loads((out / HISTORY_FILE).read_text())["history"][:int(_done(state))]
 
     compile_start = time.perf_counter()
-    compiled = trainer.update.lower(state).compile()
+    compiled = learner.compile(state)
     compile_s = time.perf_counter() - compile_start
-    first = int(state.update)
+    first = int(_done(state))
     start = time.perf_counter()
-    for update in range(first, trainer.num_updates):
+    for update in range(first, learner.num_steps):
         state, metrics = compiled(state)
-        row = {"update": update + 1, "timesteps": (update + 1) * trainer.steps_per_update,
+        row = {"update": update + 1, "timesteps": (update + 1) * learner.env_steps_per_step,
                **_episode_figures(jax.device_get(metrics))}
         history.append(row)
         if on_update is not None:
-            on_update(row, trainer.num_updates)
+            on_update(row, learner.num_steps)
         if (update + 1) % rl.checkpoint_every == 0:
             # The history with it, so that a resumed run's curve starts at the beginning.
             save_checkpoint(out / CHECKPOINT_FILE, state)
-            _write_history(out, config, trainer, history, compile_s, time.perf_counter() - start, update + 1 - first)
+            _write_history(out, config, learner, history, compile_s, time.perf_counter() - start, update + 1 - first)
     train_s = time.perf_counter() - start
-    steps_per_s = _write_history(out, config, trainer, history, compile_s, train_s, trainer.num_updates - first)
+    steps_per_s = _write_history(out, config, learner, history, compile_s, train_s, learner.num_steps - first)
 
     save_checkpoint(out / CHECKPOINT_FILE, state)
     names = core.control_observation_names(world)
     # The config's path from the policy's folder: a repository moved whole, or cloned elsewhere, still finds it.
     config_path = "" if not (config.source and Path(config.source).is_file()) else \
         os.path.relpath(Path(config.source).resolve(), out.resolve())
-    write_policy(out / POLICY_FILE, state.network, state.obs_stats.mean, state.obs_stats.var,
+    obs_mean, obs_var = learner.obs_stats(state)
+    write_policy(out / POLICY_FILE, learner.network(state), obs_mean, obs_var,
                  world.params.bounds.log_low, world.params.bounds.log_high, world.params.bounds.weight_units,
                  {"config_hash": policy_hash(config), "config": json.dumps(config_data(config)),
                   "config_source": config.source or "", "config_path": config_path,
                   "software": software_versions(), "observation_names": list(names),
                   "action_names": list(action_names(world.params.bounds)), "bounds": world.bounds,
-                  "interval_s": rl.interval_s, "episode_s": world.episode_s,
-                  "timesteps": trainer.num_updates * trainer.steps_per_update, "seed": rl.seed,
+                  "interval_s": rl.interval_s, "episode_s": world.episode_s, "algo": rl.algo,
+                  "features": [names[i] for i in feature_indices(world, rl.features)],
+                  "timesteps": learner.num_steps * learner.env_steps_per_step, "seed": rl.seed,
                   "trained_workloads": len(world.workloads)})
-    write_curve(history, out / CURVE_FILE, f"PPO on {Path(config.source or 'config').name}\n"
-                                           "training episodes: sampled actions (eval-policy plays the mean)")
+    write_curve(history, out / CURVE_FILE, f"{rl.algo.upper()} on {Path(config.source or 'config').name}\n"
+                                           f"{CURVE_NOTES[rl.algo]}", rl.algo)
     return TrainingResult(out, history, compile_s, train_s, steps_per_s)
+
+
+def _done(state) -> int:
+    """Updates (PPO) or generations (ES) a learner's state has done."""
+    return int(state.generation if isinstance(state, EsState) else state.update)
 
 
 def intervals_per_episode(world: World) -> int:

@@ -233,13 +233,16 @@ class RlConfig:
     """What ``servetune train-rl`` trains on and how; the command line overrides timesteps, num_envs and seed.
 
     The first five fields are ServeControl-v0's options (envs/gym_envs.py), so that a trained policy and the
-    environment it is evaluated in see the same world; the rest are PPO's (search/ppo.py).
+    environment it is evaluated in see the same world; then the learner: ``algo``, the network and what it
+    reads, PPO's fields (search/ppo.py) and the evolution strategy's (``es_*``, search/es.py).
     """
     interval_s: float = 1.0          # simulated seconds between decisions
     episode_s: Optional[float] = None  # null: simulation.horizon_s (with neither, until every request is served)
     num_workloads: int = 8           # workload variants trained on: seeds seed, seed + 1, ... (or trace windows)
     miss_penalty: float = 1.0        # reward = good - miss_penalty * (late + rejected), per interval
     bounds: Any = None               # {max_num_seqs: [1, 64], ...}: the action's knob ranges (envs/env_actions.py)
+    algo: str = "ppo"                # ppo | es (evolution strategies over the policy's weights)
+    features: Any = None             # observation names the policy reads (null: all of them)
     timesteps: int = 2_000_000       # environment steps (control intervals) in all
     num_envs: int = 256              # environments stepped together (vmapped)
     num_steps: int = 64              # steps per environment per update (the rollout)
@@ -256,6 +259,10 @@ class RlConfig:
     hidden: Any = (64, 64)           # widths of the actor's and the critic's hidden layers
     log_std_init: float = -0.5       # the first policy's log spread in action units (Stable-Baselines3's name);
                                      # lower keeps early samples near a tuned config's knobs
+    es_population: int = 32          # es: perturbations per generation, in antithetic pairs (even)
+    es_sigma: float = 0.05           # es: the perturbations' standard deviation, in weight units
+    es_learning_rate: float = 0.03   # es: Adam's step on the weights
+    es_days: int = 4                 # es: training workloads every candidate of a generation plays
     seed: int = 0                    # network initialisation and action sampling
     checkpoint_every: int = 10       # updates between checkpoints
 

@@ -162,6 +162,10 @@ FIELD_RANGES: dict[str, Range] = {
     "rl.vf_coef": Range(low=0, high=1e3),
     "rl.max_grad_norm": Range(low=0, high=1e6, low_open=True),
     "rl.log_std_init": Range(low=-20, high=5),   # the spread e^log_std must stay a float32 number above 0
+    "rl.es_population": Range(low=2, high=2**16),
+    "rl.es_sigma": Range(low=0, high=1e3, low_open=True),
+    "rl.es_learning_rate": FRACTION,
+    "rl.es_days": Range(low=1, high=4096),
     "rl.seed": SEED,
     "rl.checkpoint_every": Range(low=1, high=10**9),
 }
@@ -175,6 +179,7 @@ FIELD_CHOICES: dict[str, tuple[str, ...]] = {
     "scheduler.queue_order": ("fcfs", "priority", "sjf", "fair", "edf", "weighted"),
     "search.sampler": ("tpe", "cmaes", "nsga2", "gp", "random", "grid"),
     "search.aggregate": ("mean", "worst"),
+    "rl.algo": ("ppo", "es"),
 }
 
 # Sections whose fields `search.knobs` may search: the engine's knobs and the hardware it runs on.
@@ -1206,7 +1211,24 @@ def _check_rl(rl: RlConfig, report: _Reporter) -> RlConfig:
     if rl.num_envs * rl.num_steps % rl.num_minibatches:
         raise report.bad_value("rl.num_minibatches", rl.num_minibatches,
                                f"a divisor of num_envs × num_steps = {rl.num_envs * rl.num_steps}")
-    return dataclasses.replace(rl, bounds=bounds, hidden=tuple(hidden))
+    features = rl.features
+    if features is not None:
+        # Their names depend on the tenants and the bounds: search/rl_train.py checks them against the world.
+        if not (isinstance(features, (list, tuple)) and features and all(isinstance(f, str) for f in features)
+                and len(set(features)) == len(features)):
+            raise report.bad_value("rl.features", features, "a non-empty list of distinct observation names, such as "
+                                                            "[time_of_day, queue_len]")
+        features = tuple(features)
+        if rl.algo != "es":
+            raise report.bad_value("rl.features", list(features), "null under rl.algo ppo (PPO's actor reads every "
+                                                                  "observation; rl.algo es reads a chosen few)")
+    if rl.algo == "es" and rl.es_population % 2:
+        raise report.bad_value("rl.es_population", rl.es_population, "an even number (perturbations come in "
+                                                                     "antithetic pairs)")
+    if rl.algo == "es" and rl.es_days > rl.num_workloads:
+        raise report.bad_value("rl.es_days", rl.es_days, f"at most rl.num_workloads = {rl.num_workloads} (the "
+                                                         "training days each generation draws from)")
+    return dataclasses.replace(rl, bounds=bounds, hidden=tuple(hidden), features=features)
 
 
 # ---------------------------------------------------------------------------------------------------------
