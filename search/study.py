@@ -52,7 +52,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from servetune.config import Config, SearchConfig
 from servetune.errors import UserError
-from servetune.pipeline import fill_derived, vllm_refusal
+from servetune.pipeline import deployment_refusal, fill_derived, vllm_refusal
 from servetune.search.baselines import (
     BASELINE_ATTR, VLLM_DEFAULT, baseline_settings, baselines, configuration, space_with_baselines,
 )
@@ -342,7 +342,8 @@ def _vllm_refusal(study_variants: Sequence[Variant], knobs: dict) -> Optional[st
     """Why vLLM would refuse to start with these knobs in some variant of the study (a scenario may change the
     KV cache or max_model_len), or None."""
     for variant in study_variants:
-        refusal = vllm_refusal(fill_derived(apply_knobs(variant.config, knobs)))
+        knobbed = apply_knobs(variant.config, knobs)
+        refusal = deployment_refusal(knobbed) or vllm_refusal(fill_derived(knobbed))
         if refusal is not None:
             scenario = f"search.scenarios[{variant.scenario}]: " if variant.config.search.scenarios else ""
             return scenario + refusal

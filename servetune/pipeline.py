@@ -60,6 +60,27 @@ def model_context_length(config: Config) -> Optional[int]:
     return resolve_model(config.model, _config_dir(config)).max_model_len
 
 
+def deployment_refusal(config: Config) -> Optional[str]:
+    """Why vLLM would refuse the model on this GPU and TP before it sizes anything: a TP that does not shard the
+    model's heads, an unknown GPU, weights that leave no room for the KV cache; None when it would start. The
+    loader checks the config's own deployment; this is for its variants (a study's trial over hardware.tp)."""
+    from servetune.cost_models.catalog import as_config_fields, resolve_gpu
+    from servetune.cost_models.memory import kv_capacity
+    from servetune.cost_models.models import heads_per_gpu
+
+    hardware, scheduler = config.hardware, config.scheduler
+    try:
+        with as_config_fields():
+            model = resolve_model(config.model, _config_dir(config))
+            gpu = resolve_gpu(hardware.gpu)
+            heads_per_gpu(model, hardware.tp)
+            kv_capacity(model, gpu, hardware.tp, hardware.gpu_memory_utilization, scheduler.block_size,
+                        scheduler.max_num_batched_tokens, scheduler.max_num_seqs)
+    except InvalidValue as error:
+        return str(error)
+    return None
+
+
 def vllm_refusal(resolved: Config) -> Optional[str]:
     """Why vLLM 0.33 would refuse to start with a resolved config (``fill_derived``), naming the field, the
     value and vLLM's rule; None when it would start. The scheduler's own rules, then the model's: a

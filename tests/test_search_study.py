@@ -190,7 +190,7 @@ def test_the_vllm_baseline_has_no_queue_limit_whatever_the_config_or_its_space_s
     # A space without "no limit": the study's space holds it for the baselines alone; the sampler's proposals
     # of it are pruned unrun, so the search stays within the choices given.
     knobs = "search.knobs={scheduler.max_num_queued_reqs: {choices: [1, 4, 16]}}"
-    no_unlimited = load_config("examples/diurnal.yaml", [knobs])
+    no_unlimited = load_config("examples/diurnal.yaml", [knobs, "scheduler.max_num_queued_reqs=4"])
     assert [name for name, _ in baselines(no_unlimited, SearchSpace.from_config(no_unlimited))[0]] == \
         ["as-configured"]
     held = space_with_baselines(no_unlimited)
@@ -417,3 +417,17 @@ def test_the_first_run_keeps_the_studys_seed_and_a_resumed_one_draws_its_own():
     assert run_seed(7, 0) == 7
     assert len({run_seed(7, 5), run_seed(7, 6), run_seed(8, 5), 7}) == 4
     assert run_seed(7, 5) == run_seed(7, 5)
+
+
+def test_a_trial_whose_tp_does_not_shard_the_heads_is_refused_unrun(tmp_path):
+    # Llama-2-7B has 32 attention heads: vLLM refuses TP 3, so the study must not simulate it.
+    knobs = "search.knobs={hardware.tp: {choices: [1, 2, 3]}}"
+    config = load_config("examples/chat.yaml", ["workload.num_requests=60", "search.trials=6", "search.batch_size=2",
+                                                "search.objectives=[goodput]", "search.sampler=grid", knobs])
+    study = run_study(config, "tp", str(tmp_path / "s.db"), show_progress=False, console=Console(file=io.StringIO()))
+    sharded = [t for t in study.trials if t.params.get("hardware.tp") == 3]
+    assert sharded and all(t.state == TrialState.PRUNED for t in sharded)
+    assert {t.user_attrs["vllm_refusal"] for t in sharded} == {
+        "hardware.tp: got 3, expected a divisor of llama-2-7b's 32 attention heads (vLLM splits them evenly over "
+        "the GPUs)"}
+    assert 2 in [t.params["hardware.tp"] for t in study.trials if t.state == TrialState.COMPLETE]
