@@ -8,6 +8,7 @@ catalogues start without them.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from servetune.cost_models.catalog import resolve_gpu, resolve_model
 from servetune.cost_models.gpus import GIB, GPUS
 from servetune.cost_models.memory import kv_capacity
 from servetune.cost_models.models import MODELS
-from servetune.errors import UserError
+from servetune.errors import InvalidValue, UserError
 from servetune.paths import check_output_file
 
 DEFAULT_MODEL = "llama-2-7b"
@@ -83,11 +84,28 @@ def _add_model_and_gpu(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (default 1)")
 
 
+# The flag each value that the catalogue and the memory model check came from.
+FLAGS = {"model": "--model", "GPU": "--gpu", "gpu": "--gpu", "tp": "--tp",
+         "gpu_memory_utilization": "--gpu-memory-utilization", "block_size": "--block-size"}
+
+
+def _named_by_flags(run):
+    """``run`` with the catalogue's and memory model's errors re-raised under the flag the value came from."""
+    @functools.wraps(run)
+    def wrapped(args: argparse.Namespace) -> int:
+        try:
+            return run(args)
+        except InvalidValue as error:
+            raise InvalidValue(FLAGS.get(error.name, error.name), error.value, error.expected) from None
+    return wrapped
+
+
 def _non_negative(name: str, value: int) -> None:
     if value < 0:
         raise UserError(f"{name} must be 0 or more, found {value}")
 
 
+@_named_by_flags
 def run_cost(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
@@ -150,6 +168,7 @@ def run_cost(args: argparse.Namespace) -> int:
     return 0
 
 
+@_named_by_flags
 def run_memory(args: argparse.Namespace) -> int:
     model, gpu = resolve_model(args.model), resolve_gpu(args.gpu)
     capacity = kv_capacity(model, gpu, args.tp, args.gpu_memory_utilization, args.block_size,
@@ -178,6 +197,7 @@ def run_memory(args: argparse.Namespace) -> int:
     return 0
 
 
+@_named_by_flags
 def run_calibrate(args: argparse.Namespace) -> int:
     from servetune.cost_models.calibrate import calibrate
     from servetune.cost_models.profile import write_profile

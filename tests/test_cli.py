@@ -309,3 +309,15 @@ def test_the_calibration_report_fits_80_columns_uncut(tmp_path, monkeypatch, cap
     monkeypatch.setattr(servetune.cost_models.profile, "write_profile", lambda *args: None)
     printed = _printed_at_80_columns(["calibrate", "--out", str(tmp_path / "p.json")], monkeypatch, capsys)
     assert "matmul.attn_post_proj" in printed and "10,440" in printed
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["cost", "--model", "llama2-7b", "--decode-batch", "1"], "--model: got 'llama2-7b', expected a known model"),
+    (["cost", "--gpu", "h1000", "--decode-batch", "1"], "--gpu: got 'h1000', expected a known GPU"),
+    (["memory", "--model", "llama-2-7b", "--gpu", "h100-80gb", "--tp", "3"],
+     "--tp: got 3, expected a divisor of llama-2-7b's 32 attention heads"),
+])
+def test_cost_and_memory_errors_name_the_flag(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
