@@ -124,10 +124,6 @@ def make_es(env: EsEnv, rl: RlConfig) -> EsTrainer:
     trainable = ravel_pytree(mask_layers)[0]
     optimizer = optax.adam(rl.es_learning_rate)
 
-    def act(layers, obs_mean, obs_var, obs):
-        obs = net.normalise(obs, obs_mean, obs_var)
-        return jnp.clip(net.actor_mean({"actor": layers}, obs), -1.0, 1.0)
-
     def play_rows(thetas, variants, obs_mean, obs_var):
         """Each row's weights over its workload's whole episode: (return, good, arrived, clock at the end) per
         row, and every observation it acted on with whether its episode was still running."""
@@ -137,7 +133,7 @@ def make_es(env: EsEnv, rl: RlConfig) -> EsTrainer:
 
         def interval(carry, _):
             obs, states, done, totals = carry
-            actions = jax.vmap(act, (0, None, None, 0))(actors, obs_mean, obs_var, obs)
+            actions = jax.vmap(net.deterministic_action, (0, None, None, 0))(actors, obs_mean, obs_var, obs)
             new_obs, new_states, reward, terminated, truncated, info = jax.vmap(env.step, (None, 0, 0, None))(
                 None, states, actions, env.params)
             live = ~done

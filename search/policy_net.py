@@ -59,6 +59,12 @@ def actor_mean(params: dict, obs):
     return _mlp(params["actor"], obs)
 
 
+def deterministic_action(layers: list, obs_mean, obs_var, obs):
+    """The action a policy file plays for raw observations: the actor's mean on the normalised observation,
+    clipped to the action box (search/policy_file.py's NumPy pass does the same)."""
+    return jnp.clip(actor_mean({"actor": layers}, normalise(obs, obs_mean, obs_var)), -1.0, 1.0)
+
+
 def value(params: dict, obs):
     return _mlp(params["critic"], obs)[..., 0]
 

@@ -47,8 +47,7 @@ REPORTED = ("request_goodput", "slo_attainment", "p99_ttft_ms", "p99_itl_ms")
 def policy_act(obs, params, actor: dict):
     """The policy file's actor (``actor_arrays``) acting deterministically: search/policy_net.py's pass."""
     del params
-    obs = net.normalise(obs, actor["obs_mean"], actor["obs_var"])
-    return jnp.clip(net.actor_mean({"actor": actor["layers"]}, obs), -1.0, 1.0)
+    return net.deterministic_action(actor["layers"], actor["obs_mean"], actor["obs_var"], obs)
 
 
 def actor_arrays(policy: LoadedPolicy) -> dict:

@@ -63,19 +63,10 @@ def model_context_length(config: Config) -> Optional[int]:
 def deployment_refusal(config: Config) -> Optional[str]:
     """Why vLLM would refuse the model on this GPU and TP before it sizes anything: a TP that does not shard the
     model's heads, an unknown GPU, weights that leave no room for the KV cache; None when it would start. The
-    loader checks the config's own deployment; this is for its variants (a study's trial over hardware.tp)."""
-    from servetune.cost_models.catalog import as_config_fields, resolve_gpu
-    from servetune.cost_models.memory import kv_capacity
-    from servetune.cost_models.models import heads_per_gpu
-
-    hardware, scheduler = config.hardware, config.scheduler
+    loader checks the config's own deployment; this is for its variants (a study's trial over hardware.tp).
+    Sizing the cache as vLLM does (``derive_num_kv_blocks``) runs every one of those checks."""
     try:
-        with as_config_fields():
-            model = resolve_model(config.model, _config_dir(config))
-            gpu = resolve_gpu(hardware.gpu)
-            heads_per_gpu(model, hardware.tp)
-            kv_capacity(model, gpu, hardware.tp, hardware.gpu_memory_utilization, scheduler.block_size,
-                        scheduler.max_num_batched_tokens, scheduler.max_num_seqs)
+        derive_num_kv_blocks(config)
     except InvalidValue as error:
         return str(error)
     return None
