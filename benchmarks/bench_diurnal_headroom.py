@@ -40,10 +40,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import servetune  # noqa: F401  (registers the ids)
-from servetune.envs import functional_env as core
-from servetune.envs.env_actions import INT_KNOBS, decode, encode
-from servetune.envs.env_world import build_world, load_env_config
-from servetune.envs.arrivals import read_servegen_trace
+from servetune.envs.gym import core as core
+from servetune.envs.gym.actions import INT_KNOBS, decode, encode
+from servetune.envs.gym.world import build_world, load_env_config
+from servetune.envs.workload.arrivals import read_servegen_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 DIURNAL = "examples/diurnal.yaml"   # run from the repository root (the study hash includes the path)

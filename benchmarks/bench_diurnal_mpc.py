@@ -32,10 +32,10 @@ from rich.progress import track
 from scipy import stats
 
 from servetune.config_loader import load_config
-from servetune.envs import functional_env as core
-from servetune.envs.env_actions import INT_KNOBS, config_knobs, encode
-from servetune.search.rl_eval import final_metrics, heldout_world, play
-from servetune.search.rl_train import intervals_per_episode
+from servetune.envs.gym import core as core
+from servetune.envs.gym.actions import INT_KNOBS, config_knobs, encode
+from servetune.search.rl.evaluate import final_metrics, heldout_world, play
+from servetune.search.rl.train import intervals_per_episode
 
 
 def parse_knobs(text: str) -> dict:

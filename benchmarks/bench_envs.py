@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import servetune  # noqa: F401  (registers the ids)
-from servetune.envs import functional_env as core
-from servetune.envs.env_world import build_world
+from servetune.envs.gym import core as core
+from servetune.envs.gym.world import build_world
 from servetune.parallel import across_cores, laid_out
 
 CHAT = str(Path(__file__).resolve().parent.parent / "examples" / "chat.yaml")

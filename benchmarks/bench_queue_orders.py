@@ -19,8 +19,8 @@ import numpy as np
 
 from servetune.config import SchedulerConfig
 from servetune.cost_models.linear import LinearCostParams, step_time_s
-from servetune.envs.simulator import simulate_timed
-from servetune.envs.traces import load_trace
+from servetune.envs.sim.simulator import simulate_timed
+from servetune.envs.workload.traces import load_trace
 from servetune.paths import shared_data_dir
 
 RATE_SCALE = 1.0   # the trace's own hour: with the config below, loaded (p99 TTFT ~15 s) but stable

@@ -16,8 +16,8 @@ import time
 import jax
 
 from servetune.config_loader import load_config
-from servetune.search.ppo import make_train
-from servetune.search.rl_train import control_world, env_spec
+from servetune.search.rl.ppo import make_train
+from servetune.search.rl.train import control_world, env_spec
 
 
 def _rate(function, state, steps_per_call: int, seconds: float) -> tuple[float, float]:

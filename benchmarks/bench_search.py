@@ -29,9 +29,9 @@ from servetune.search.capacity import find_capacity
 from servetune.search.evaluate import BatchEvaluator, use_persistent_compilation_cache
 from servetune.search.export import Policy, export
 from servetune.search.provenance import provenance
-from servetune.search.space import apply_knobs
-from servetune.search.storage import open_storage, study_names
-from servetune.search.study import chosen_trial, is_feasible, run_study, trial_config
+from servetune.search.study.space import apply_knobs
+from servetune.search.study.storage import open_storage, study_names
+from servetune.search.study.optimize import chosen_trial, is_feasible, run_study, trial_config
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results"

@@ -29,14 +29,14 @@ import numpy as np
 
 from servetune.config_loader import load_config
 from servetune.cost_models.factory import build_cost_model
-from servetune.envs import engine
+from servetune.envs.sim import engine
 from servetune.envs.metrics import compute_metrics
-from servetune.envs.outcome import SimulationOutcome
-from servetune.envs.simulator import (
+from servetune.envs.sim.outcome import SimulationOutcome
+from servetune.envs.sim.simulator import (
     _slot_schedule, device_trace, engine_params, iteration_guard, simulate_many, simulate_timed, simulate_workload,
 )
-from servetune.envs.slos import per_request_slos
-from servetune.envs.workload import build_workload, take_rows
+from servetune.envs.workload.slos import per_request_slos
+from servetune.envs.workload.requests import build_workload, take_rows
 from servetune.pipeline import resolve
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from servetune.envs.traces import load_trace
+from servetune.envs.workload.traces import load_trace
 from servetune.paths import REPO_ROOT, shared_data_dir
 
 ROWS = 20_000

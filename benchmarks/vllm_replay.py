@@ -14,9 +14,9 @@ import numpy as np
 
 from servetune.config import SchedulerConfig
 from servetune.cost_models.linear import LinearCostParams, step_time_s
-from servetune.envs.outcome import REJECT_NAMES, STATUS_NAMES, SimulationOutcome
-from servetune.envs.reference import simulate_reference_detailed
-from servetune.envs.workload import Workload
+from servetune.envs.sim.outcome import REJECT_NAMES, STATUS_NAMES, SimulationOutcome
+from servetune.envs.sim.reference import simulate_reference_detailed
+from servetune.envs.workload.requests import Workload
 
 TIME_REL = 1e-9   # float64 sums taken in different orders
 
@@ -117,8 +117,8 @@ def _padded(workload: Workload) -> Workload:
 
 def replay_engine(case: dict) -> list[dict]:
     """The case served by the JAX engine: per-request outcomes in the recorder's format."""
-    from servetune.envs import engine
-    from servetune.envs.simulator import device_trace, engine_params, iteration_guard, outcome_from_state
+    from servetune.envs.sim import engine
+    from servetune.envs.sim.simulator import device_trace, engine_params, iteration_guard, outcome_from_state
 
     workload, scheduler = workload_of(case), scheduler_of(case)
     if scheduler.max_num_seqs > SLOTS:

@@ -17,11 +17,11 @@ from typing import Optional
 
 import numpy as np
 
-from servetune.envs.outcome import (
+from servetune.envs.sim.outcome import (
     COMPLETED, NOT_ARRIVED, REJECT_NAMES, REJECTED, STATUS_NAMES, UNFINISHED, SimulationOutcome, itl_bin_edges,
 )
-from servetune.envs.slos import RequestSlos
-from servetune.envs.workload import Workload
+from servetune.envs.workload.slos import RequestSlos
+from servetune.envs.workload.requests import Workload
 
 LATENCIES = ("ttft", "tpot", "itl", "e2el")
 STATISTICS = ("mean", "median", "std", "p90", "p99")
@@ -133,7 +133,7 @@ def compute_metrics(workload: Workload, outcome: SimulationOutcome, slos: Reques
         "engine_steps": totals.steps,
         "duration_s": duration,
         "clipped_requests": workload.clipped,
-        # Prefix caching's unit hit rate (envs/prefix_cache.py); null when it is off or nothing was looked up.
+        # Prefix caching's unit hit rate (envs/sim/prefix_cache.py); null when it is off or nothing was looked up.
         "prefix_cache_hit_rate": (totals.prefix_hit_units / totals.prefix_looked_up_units
                                   if totals.prefix_looked_up_units else None),
     })

@@ -23,7 +23,7 @@ from servetune.config_loader import FIELD_CHOICES, load_config
 from servetune.errors import UserError
 from servetune.paths import check_output_file
 from servetune.search.export import ENGINES
-from servetune.search.storage import DEFAULT_STORAGE, check_existing_storage, check_writable_storage
+from servetune.search.study.storage import DEFAULT_STORAGE, check_existing_storage, check_writable_storage
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -104,8 +104,8 @@ def compact_table(title: str) -> Table:
 
 def run_tune(args: argparse.Namespace) -> int:
     from servetune.search.evaluate import use_persistent_compilation_cache
-    from servetune.search.objectives import parse_objectives
-    from servetune.search.study import best_trials, run_study
+    from servetune.objectives import parse_objectives
+    from servetune.search.study.optimize import best_trials, run_study
 
     _positive("--trials", args.trials)
     _positive("--batch-size", args.batch_size)
@@ -142,7 +142,7 @@ SUMMARY_METRICS = ("request_goodput", "slo_attainment", "p99_ttft_ms", "p99_itl_
 
 
 def _trial_summary(trial) -> dict:
-    from servetune.search.study import is_feasible
+    from servetune.search.study.optimize import is_feasible
 
     return {"trial": trial.number, "baseline": trial.user_attrs.get("baseline"), "params": trial.params,
             "values": trial.values, "meets_slo_target": is_feasible(trial),
@@ -150,8 +150,8 @@ def _trial_summary(trial) -> dict:
 
 
 def _print_trials(console: Console, study, best: list, baseline_trials: list) -> None:
-    from servetune.search.objectives import OBJECTIVES
-    from servetune.search.study import OBJECTIVES_ATTR, is_feasible
+    from servetune.objectives import OBJECTIVES
+    from servetune.search.study.optimize import OBJECTIVES_ATTR, is_feasible
 
     # The study's objectives first (the gain is on the first), then the metrics every study reports.
     objectives = [OBJECTIVES[name] for name in study.user_attrs.get(OBJECTIVES_ATTR, ["goodput"])]
@@ -209,7 +209,7 @@ def _cell(value) -> str:
 
 def _config_or_study_trial(args: argparse.Namespace) -> tuple[Config, str]:
     """The config to measure and a label: a config file, or a study's trial applied to the study's config."""
-    from servetune.search.study import chosen_trial, load_study, trial_config
+    from servetune.search.study.optimize import chosen_trial, load_study, trial_config
 
     if args.study is None:
         if args.config is None:
@@ -321,11 +321,11 @@ def _export_policy(args: argparse.Namespace):
     """The static config an RL policy holds most often, with a warning that no engine hosts a live policy."""
     from servetune.pipeline import fill_derived, resolve
     from servetune.search.export import Policy, export
-    from servetune.search.policy_file import load_policy, policy_config_data
+    from servetune.search.rl.policy_file import load_policy, policy_config_data
     from servetune.search.provenance import config_from_data
-    from servetune.search.rl_eval import most_chosen_knobs
-    from servetune.search.rl_train import policy_hash
-    from servetune.search.space import apply_knobs
+    from servetune.search.rl.evaluate import most_chosen_knobs
+    from servetune.search.rl.train import policy_hash
+    from servetune.search.study.space import apply_knobs
 
     if args.trial is not None:
         raise UserError("--trial goes with --study, not --policy")
@@ -357,7 +357,7 @@ def _export_study(args: argparse.Namespace):
     from servetune.search.evaluate import BatchEvaluator
     from servetune.search.export import Policy, export
     from servetune.search.provenance import provenance
-    from servetune.search.study import chosen_trial, load_study, trial_config
+    from servetune.search.study.optimize import chosen_trial, load_study, trial_config
 
     check_existing_storage(args.storage)
     study, config = load_study(args.study, args.storage)

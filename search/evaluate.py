@@ -20,10 +20,10 @@ from typing import Any, Callable, Optional, Sequence
 from servetune.config import Config
 from servetune.cost_models.factory import build_cost_model
 from servetune.envs.metrics import compute_metrics
-from servetune.envs.simulator import concurrency_bound, num_slots_for, simulate_many
-from servetune.envs.admission import rate_limited
-from servetune.envs.slos import per_request_slos
-from servetune.envs.workload import Workload, build_workload
+from servetune.envs.sim.simulator import concurrency_bound, num_slots_for, simulate_many
+from servetune.envs.workload.admission import rate_limited
+from servetune.envs.workload.slos import per_request_slos
+from servetune.envs.workload.requests import Workload, build_workload
 from servetune.pipeline import resolve
 
 

@@ -1,6 +1,6 @@
 """servetune: simulate an LLM server's batch scheduler and tune it.
 
-Importing the package registers its Gymnasium environments (envs/gym_envs.py): ``servetune/ServeTune-v0`` (one
+Importing the package registers its Gymnasium environments (envs/gym/adapters.py): ``servetune/ServeTune-v0`` (one
 decision per episode) and ``servetune/ServeControl-v0`` (a decision every control interval), each with a
 vectorised ``vector_entry_point``. Entry points are strings, so registering imports neither JAX nor the envs.
 """
@@ -14,5 +14,5 @@ _ENVS = {
 for _id, (_single, _vector) in _ENVS.items():
     # Re-importing (importlib.reload) must not register twice: Gymnasium warns on an overridden id.
     if _id not in gymnasium.registry:
-        gymnasium.register(id=_id, entry_point=f"servetune.envs.gym_envs:{_single}",
-                           vector_entry_point=f"servetune.envs.gym_envs:{_vector}")
+        gymnasium.register(id=_id, entry_point=f"servetune.envs.gym.adapters:{_single}",
+                           vector_entry_point=f"servetune.envs.gym.adapters:{_vector}")

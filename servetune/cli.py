@@ -19,7 +19,7 @@ from servetune.cost_models import cli as cost_cli
 from servetune.errors import UserError
 from servetune.paths import check_output_file
 from servetune.search import cli as search_cli
-from servetune.search import rl_cli
+from servetune.search.rl import cli as rl_cli
 from servetune.versions import software_versions
 
 
@@ -130,7 +130,7 @@ def _print_report(console: Console, source: str, report) -> None:
     summary.add_column()
     summary.add_row("throughput", f"{rate(m['request_throughput'])} req/s, {rate(m['output_throughput'])} output tok/s, "
                                   f"{rate(m['total_token_throughput'])} total tok/s")
-    # Requests of a tenant with a class SLO are judged by it instead (envs/slos.py), so the row names them.
+    # Requests of a tenant with a class SLO are judged by it instead (envs/workload/slos.py), so the row names them.
     classes = [escape(tenant.name) for tenant in (config.workload.tenants or ()) if tenant.slo is not None]
     exceptions = f"; tenants {', '.join(classes)} within their class SLOs" if classes else ""
     summary.add_row("goodput", f"{rate(m['request_goodput'])} req/s within {', '.join(limits) or 'no SLO'}{exceptions}")

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 # ---------------------------------------------------------------------------------------------------------
-# What the engine's numbers hold (envs/engine.py). Token and block counts are int32 and the engine adds them up
+# What the engine's numbers hold (envs/sim/engine.py). Token and block counts are int32 and the engine adds them up
 # (a request's tokens and its blocks, a step's budget, the contexts of a batch, a tenant's service over a run);
 # times are float32, the clock and arrivals a float32 pair good to about t / 2^48. The config loader and the
 # trace readers refuse anything beyond these bounds, so no sum wraps and the clock keeps its resolution.
@@ -133,7 +133,7 @@ class SchedulerConfig:
     batch_size: int = 32             # static only
     max_wait_s: float = 1.0          # static only
     queue_order: str = "fcfs"        # fcfs | priority | sjf | fair | edf | weighted
-    priority_weights: Any = None     # weighted: {feature: weight} over the features in envs/queue_order.py
+    priority_weights: Any = None     # weighted: {feature: weight} over the features in envs/sim/queue_order.py
     length_prediction_noise: float = 0.0   # sjf: sigma of the predictor's log error (0: the true length)
     enable_prefix_caching: bool = False
 
@@ -212,7 +212,7 @@ class KnobConfig:
 class SearchConfig:
     """What ``servetune tune`` searches and how; the command line overrides any of it."""
     knobs: Any = None                # {scheduler.max_num_seqs: {low: 1, high: 512, log: true}, ...}; null: defaults
-                                     # per policy (search/space.py); kept as a tuple of (key, KnobConfig) pairs
+                                     # per policy (search/study/space.py); kept as a tuple of (key, KnobConfig) pairs
     objectives: Any = ("goodput",)   # any of goodput, p99_ttft, p99_itl, gpus
     sampler: str = "tpe"             # tpe | cmaes | nsga2 | gp | random | grid
     trials: int = 100
@@ -224,7 +224,7 @@ class SearchConfig:
     baselines: bool = True           # enqueue vLLM's default and well-known settings as the first trials
 
 
-# The integer scheduler knobs the environments' action sets, in action order (envs/env_actions.py).
+# The integer scheduler knobs the environments' action sets, in action order (envs/gym/actions.py).
 STEERABLE_KNOBS = ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold", "max_num_queued_reqs")
 
 
@@ -232,15 +232,15 @@ STEERABLE_KNOBS = ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token
 class RlConfig:
     """What ``servetune train-rl`` trains on and how; the command line overrides timesteps, num_envs and seed.
 
-    The first five fields are ServeControl-v0's options (envs/gym_envs.py), so that a trained policy and the
+    The first five fields are ServeControl-v0's options (envs/gym/adapters.py), so that a trained policy and the
     environment it is evaluated in see the same world; then the learner: ``algo``, the network and what it
-    reads, PPO's fields (search/ppo.py) and the evolution strategy's (``es_*``, search/es.py).
+    reads, PPO's fields (search/rl/ppo.py) and the evolution strategy's (``es_*``, search/rl/es.py).
     """
     interval_s: float = 1.0          # simulated seconds between decisions
     episode_s: Optional[float] = None  # null: simulation.horizon_s (with neither, until every request is served)
     num_workloads: int = 8           # workload variants trained on: seeds seed, seed + 1, ... (or trace windows)
     miss_penalty: float = 1.0        # reward = good - miss_penalty * (late + rejected), per interval
-    bounds: Any = None               # {max_num_seqs: [1, 64], ...}: the action's knob ranges (envs/env_actions.py)
+    bounds: Any = None               # {max_num_seqs: [1, 64], ...}: the action's knob ranges (envs/gym/actions.py)
     algo: str = "ppo"                # ppo | es (evolution strategies over the policy's weights)
     features: Any = None             # observation names the policy reads (null: all of them)
     timesteps: int = 2_000_000       # environment steps (control intervals) in all

@@ -35,11 +35,11 @@ from servetune.config import (
 from servetune.cost_models.catalog import as_config_fields, resolve_gpu, resolve_model
 from servetune.cost_models.memory import KvCapacity, kv_capacity
 from servetune.cost_models.models import heads_per_gpu
-from servetune.envs.lengths import LognormalSpec
-from servetune.envs.queue_order import FEATURES
-from servetune.envs.traces import TRACE_PARSERS
+from servetune.envs.workload.lengths import LognormalSpec
+from servetune.envs.sim.queue_order import FEATURES
+from servetune.envs.workload.traces import TRACE_PARSERS
 from servetune.errors import ConfigError, InvalidValue, UserError, reading_user_file
-from servetune.search.objectives import OBJECTIVES, parse_objectives
+from servetune.objectives import OBJECTIVES, parse_objectives
 
 # `Config.source` records where a config came from; it is not something a user writes.
 _INTERNAL_FIELDS = {"source"}
@@ -907,7 +907,7 @@ def _check_cost_model(config: Config, report: _Reporter, base_dir: Path) -> None
 
 # The scheduler fields only static batching reads.
 _STATIC_ONLY_FIELDS = ("batch_size", "max_wait_s")
-# The queue orders that read the predicted output length (envs/queue_order.py's output_tokens feature).
+# The queue orders that read the predicted output length (envs/sim/queue_order.py's output_tokens feature).
 _PREDICTING_ORDERS = ("sjf", "weighted")
 
 
@@ -1213,7 +1213,7 @@ def _check_rl(rl: RlConfig, report: _Reporter) -> RlConfig:
                                f"a divisor of num_envs × num_steps = {rl.num_envs * rl.num_steps}")
     features = rl.features
     if features is not None:
-        # Their names depend on the tenants and the bounds: search/rl_train.py checks them against the world.
+        # Their names depend on the tenants and the bounds: search/rl/train.py checks them against the world.
         if not (isinstance(features, (list, tuple)) and features and all(isinstance(f, str) for f in features)
                 and len(set(features)) == len(features)):
             raise report.bad_value("rl.features", features, "a non-empty list of distinct observation names, such as "

@@ -11,11 +11,11 @@ from servetune.cost_models.catalog import resolve_model
 # The folder a config's relative model path is read from, as the KV-cache sizing reads it.
 from servetune.cost_models.factory import _config_dir, build_cost_model, derive_num_kv_blocks
 from servetune.envs.metrics import compute_metrics, segment_metrics
-from servetune.envs.outcome import SimulationOutcome
-from servetune.envs.simulator import simulate_timed
-from servetune.envs.admission import rate_limited
-from servetune.envs.slos import per_request_slos
-from servetune.envs.workload import Workload, build_workload
+from servetune.envs.sim.outcome import SimulationOutcome
+from servetune.envs.sim.simulator import simulate_timed
+from servetune.envs.workload.admission import rate_limited
+from servetune.envs.workload.slos import per_request_slos
+from servetune.envs.workload.requests import Workload, build_workload
 from servetune.errors import ConfigError, InvalidValue
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from servetune.config import SchedulerConfig, SloConfig
 from servetune.cost_models.linear import LinearCostParams
-from servetune.envs.slos import SLO_FIELDS, RequestSlos
+from servetune.envs.workload.slos import SLO_FIELDS, RequestSlos
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -44,11 +44,11 @@ def uniform_slos(slo: SloConfig, num_requests: int) -> RequestSlos:
 def simulator(request):
     """``simulate(workload, scheduler, cost_fn, cost_params, horizon_s=None) -> SimulationOutcome``."""
     if request.param == "reference":
-        from servetune.envs.reference import simulate_reference
+        from servetune.envs.sim.reference import simulate_reference
 
         return simulate_reference
     try:
-        from servetune.envs.simulator import simulate_workload
+        from servetune.envs.sim.simulator import simulate_workload
     except ImportError:
         pytest.skip("JAX engine not built yet")
     return simulate_workload

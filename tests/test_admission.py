@@ -6,9 +6,9 @@ import numpy as np
 from conftest import linear, scheduler_config
 from servetune.config import TenantConfig
 from servetune.cost_models.linear import step_time_s
-from servetune.envs.admission import rate_limited
-from servetune.envs.outcome import REJECT_TENANT_RATE, REJECTED
-from servetune.envs.workload import Workload
+from servetune.envs.workload.admission import rate_limited
+from servetune.envs.sim.outcome import REJECT_TENANT_RATE, REJECTED
+from servetune.envs.workload.requests import Workload
 
 
 def test_token_bucket_by_hand():

@@ -20,8 +20,8 @@ from servetune.config import (
     WorkloadConfig,
 )
 from servetune.config_loader import apply_overrides, config_from_dict, load_config
-from servetune.envs.lengths import LognormalSpec
-from servetune.envs.traces import TRACE_PARSERS
+from servetune.envs.workload.lengths import LognormalSpec
+from servetune.envs.workload.traces import TRACE_PARSERS
 from servetune.errors import ConfigError, UserError
 from servetune.paths import REPO_ROOT
 from servetune.pipeline import resolve

@@ -31,7 +31,7 @@ import pytest
 from conftest import linear
 from servetune.config import SchedulerConfig
 from servetune.cost_models.linear import LinearCostParams, step_time_s
-from servetune.envs.outcome import (
+from servetune.envs.sim.outcome import (
     COMPLETED,
     NOT_ARRIVED,
     REJECT_MAX_MODEL_LEN,
@@ -42,9 +42,9 @@ from servetune.envs.outcome import (
     UNFINISHED,
     SimulationOutcome,
 )
-from servetune.envs.reference import _Engine, simulate_reference
-from servetune.envs.simulator import num_slots_for, simulate_many, simulate_workload
-from servetune.envs.workload import Workload
+from servetune.envs.sim.reference import _Engine, simulate_reference
+from servetune.envs.sim.simulator import num_slots_for, simulate_many, simulate_workload
+from servetune.envs.workload.requests import Workload
 
 NUM_REQUESTS = 12          # every workload has this many: the engine compiles once per request count
 CONFIGS_PER_WORKLOAD = 16  # simulate_many compiles once per number of configs

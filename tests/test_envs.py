@@ -1,4 +1,4 @@
-"""The Gymnasium environments (envs/gym_envs.py over envs/functional_env.py), checked against Gymnasium's own
+"""The Gymnasium environments (envs/gym/adapters.py over envs/gym/core.py), checked against Gymnasium's own
 checker, against themselves (seeding, vector against single), and against ``servetune simulate``, which is the
 independent truth for what an episode at fixed knobs must produce.
 
@@ -16,14 +16,14 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 
 import servetune  # noqa: F401  (registers the ids)
-from servetune.envs import functional_env as core
-from servetune.envs.env_actions import decode
-from servetune.envs.env_baselines import BASELINES, reactive
-from servetune.envs.env_world import variant_config
-from servetune.envs.gym_envs import knob_values
+from servetune.envs.gym import core as core
+from servetune.envs.gym.actions import decode
+from servetune.envs.gym.baselines import BASELINES, reactive
+from servetune.envs.gym.world import variant_config
+from servetune.envs.gym.adapters import knob_values
 from servetune.envs.metrics import histogram_percentile
-from servetune.envs.outcome import COMPLETED
-from servetune.envs.queue_order import FEATURES
+from servetune.envs.sim.outcome import COMPLETED
+from servetune.envs.sim.queue_order import FEATURES
 from servetune.pipeline import simulate_config
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -153,7 +153,7 @@ def test_fixed_knobs_reproduce_simulate_and_rewards_sum_to_its_good_requests(cas
 def first_slots_four(monkeypatch):
     """Intervals try a 4-slot table first, so busy ones overflow it and rerun on the full table. (Compiled
     steps read the size when traced: none compiled before or after may be reused.)"""
-    from servetune.envs import engine
+    from servetune.envs.sim import engine
 
     def clear():
         jax.clear_caches()

@@ -1,4 +1,4 @@
-"""Evolution strategies (search/es.py): the first policy is the config's knobs exactly, its baseline is what
+"""Evolution strategies (search/rl/es.py): the first policy is the config's knobs exactly, its baseline is what
 eval-policy's fixed-config contender scores, the update climbs a function whose optimum is known, the unread
 observations stay unread, and the same seed gives the same weights; train-rl --algo es end to end."""
 import json
@@ -12,11 +12,11 @@ import yaml
 
 from servetune.cli import main
 from servetune.config_loader import ConfigError, load_config
-from servetune.envs.functional_env import control_observation_names
-from servetune.search.es import EsEnv, centred_ranks, make_es
-from servetune.search.policy_file import load_policy
-from servetune.search.rl_eval import BASELINE_ACTS, play
-from servetune.search.rl_train import HISTORY_FILE, POLICY_FILE, control_world, es_env
+from servetune.envs.gym.core import control_observation_names
+from servetune.search.rl.es import EsEnv, centred_ranks, make_es
+from servetune.search.rl.policy_file import load_policy
+from servetune.search.rl.evaluate import BASELINE_ACTS, play
+from servetune.search.rl.train import HISTORY_FILE, POLICY_FILE, control_world, es_env
 from servetune.errors import UserError
 
 CHAT = "examples/chat.yaml"
@@ -149,12 +149,12 @@ def test_time_of_day_is_the_workloads_day_not_the_compressed_clock():
 
 
 def reset_to_first(params):
-    from servetune.envs.functional_env import control_reset_to
+    from servetune.envs.gym.core import control_reset_to
     return control_reset_to(0, params)
 
 
 def step_once(state, params):
-    from servetune.envs.functional_env import control_step
+    from servetune.envs.gym.core import control_step
     return control_step(None, state, params.config_action, params)[0]
 
 
@@ -174,9 +174,9 @@ def test_tenants_playing_their_days_at_different_speeds_have_no_time_of_day(tmp_
 def test_a_policy_that_read_the_compressed_clock_is_refused_on_a_compressed_day(small, tmp_path):
     import dataclasses
 
-    from servetune.search.policy_file import write_policy
-    from servetune.search.rl_cli import check_policy_config
-    from servetune.search.rl_train import policy_hash
+    from servetune.search.rl.policy_file import write_policy
+    from servetune.search.rl.cli import check_policy_config
+    from servetune.search.rl.train import policy_hash
 
     config, world, trainer = small
     state = trainer.init(jax.random.PRNGKey(0))

@@ -21,7 +21,7 @@ import yaml
 from servetune.cli import main
 from servetune.config import MAX_CLOCK_S, MAX_KV_TOKENS, MAX_TOKEN_COUNT, Config, TenantConfig
 from servetune.config_loader import FIELD_CHOICES, FIELD_RANGES, MAX_CONFIG_BYTES, Range
-from servetune.envs.lengths import LognormalSpec
+from servetune.envs.workload.lengths import LognormalSpec
 from test_trace_fuzz import FORMATS, _cases as trace_cases
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"

@@ -9,9 +9,9 @@ import pytest
 
 from conftest import linear, scheduler_config
 from servetune.cost_models.linear import step_time_s
-from servetune.envs import engine
-from servetune.envs.simulator import device_trace, engine_params, iteration_guard
-from servetune.envs.workload import Workload
+from servetune.envs.sim import engine
+from servetune.envs.sim.simulator import device_trace, engine_params, iteration_guard
+from servetune.envs.workload.requests import Workload
 from servetune.parallel import across_cores, laid_out
 
 pytestmark = pytest.mark.skipif(len(jax.local_devices()) < 2, reason="one CPU device: nothing is split")

@@ -1,4 +1,4 @@
-"""Policy files (search/policy_file.py): NumPy inference equals the JAX actor and the environment's decoding,
+"""Policy files (search/rl/policy_file.py): NumPy inference equals the JAX actor and the environment's decoding,
 the file carries what a serving stack needs, and bad files are one-line errors."""
 import subprocess
 import sys
@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from servetune.config_loader import load_config
-from servetune.envs.engine import NO_LIMIT
-from servetune.envs.env_actions import decode
+from servetune.envs.sim.engine import NO_LIMIT
+from servetune.envs.gym.actions import decode
 from servetune.errors import UserError
-from servetune.search import policy_net as net
-from servetune.search.policy_file import load_policy, write_policy
-from servetune.search.rl_train import control_world
+from servetune.search.rl import policy_net as net
+from servetune.search.rl.policy_file import load_policy, write_policy
+from servetune.search.rl.train import control_world
 
 OBS, HIDDEN = 16, (32, 32)
 
@@ -76,7 +76,7 @@ def test_the_file_carries_its_names_and_interval(tmp_path):
 
 def test_loading_and_running_a_policy_needs_no_jax(tmp_path):
     _random_policy(tmp_path / "p.safetensors")
-    script = ("import sys; from servetune.search.policy_file import load_policy; "
+    script = ("import sys; from servetune.search.rl.policy_file import load_policy; "
               f"p = load_policy({str(tmp_path / 'p.safetensors')!r}); k = p([0.0] * {OBS}); "
               "assert 'jax' not in sys.modules, 'jax was imported'; print(k['max_num_seqs'])")
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)

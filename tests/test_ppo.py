@@ -1,4 +1,4 @@
-"""PPO (search/ppo.py): it learns a problem whose answer is known, its pieces match direct formulas, and the
+"""PPO (search/rl/ppo.py): it learns a problem whose answer is known, its pieces match direct formulas, and the
 same seed trains the same parameters."""
 import dataclasses
 
@@ -9,12 +9,12 @@ import pytest
 
 from servetune.config import RlConfig
 from servetune.config_loader import load_config
-from servetune.search import policy_net as net
-from servetune.search.ppo import EnvSpec, advantages, empty_stats, make_train, update_stats
-from servetune.search.rl_train import control_world, env_spec, load_checkpoint, save_checkpoint
+from servetune.search.rl import policy_net as net
+from servetune.search.rl.ppo import EnvSpec, advantages, empty_stats, make_train, update_stats
+from servetune.search.rl.train import control_world, env_spec, load_checkpoint, save_checkpoint
 
 # A toy of the scheduling problem with a known answer: the arrival rate alternates between 1 and 8 req/s every
-# PERIOD steps, and the best token budget is 8,192 / rate. The action is the budget on env_actions' log scale
+# PERIOD steps, and the best token budget is 8,192 / rate. The action is the budget on gym.actions' log scale
 # over [256, 16384]; the reward is minus the squared distance (in action units) from the best budget's action.
 LOG_LOW, LOG_HIGH, RATES, PERIOD, LENGTH = np.log(256.0), np.log(16384.0), jnp.array([1.0, 8.0]), 8, 32
 

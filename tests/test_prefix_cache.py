@@ -10,9 +10,9 @@ import pytest
 
 from conftest import linear, scheduler_config
 from servetune.cost_models.linear import step_time_s
-from servetune.envs.prefix_cache import capacity_units, prefix_hits
-from servetune.envs.traces import block_reuse_rate, load_trace
-from servetune.envs.workload import Workload
+from servetune.envs.sim.prefix_cache import capacity_units, prefix_hits
+from servetune.envs.workload.traces import block_reuse_rate, load_trace
+from servetune.envs.workload.requests import Workload
 from servetune.paths import shared_data_dir
 
 FIXTURE = Path(__file__).parent / "fixtures" / "traces" / "mooncake_conversation_first200.jsonl"
@@ -97,7 +97,7 @@ def test_generated_prefix_groups_share_their_leading_blocks():
     """Two tenants: rag (a 64-token prefix, one of 2 groups) and chat (none). Requests of one rag group
     share exactly the prefix's 4 blocks of 16 tokens; nothing else is shared."""
     from servetune.config_loader import config_from_dict
-    from servetune.envs.workload import build_workload
+    from servetune.envs.workload.requests import build_workload
 
     config = config_from_dict({"workload": {
         "arrivals": {"kind": "poisson", "rate": 5.0}, "num_requests": 200,

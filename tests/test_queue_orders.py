@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from servetune.cost_models.linear import step_time_s
-from servetune.envs.outcome import REJECT_TENANT_RATE
-from servetune.envs.queue_order import FEATURES
-from servetune.envs.reference import simulate_reference
-from servetune.envs.simulator import simulate_many
-from servetune.envs.workload import Workload
+from servetune.envs.sim.outcome import REJECT_TENANT_RATE
+from servetune.envs.sim.queue_order import FEATURES
+from servetune.envs.sim.reference import simulate_reference
+from servetune.envs.sim.simulator import simulate_many
+from servetune.envs.workload.requests import Workload
 from test_differential import assert_agree, draw_cost, draw_scheduler, draw_workload
 
 ORDERS = ("priority", "sjf", "fair", "edf", "weighted")
@@ -165,7 +165,7 @@ from test_queueing import (  # noqa: E402  (the M/G/1 set-up shared with tests/t
     MEAN_OUTPUT, ONE_SEAT, REQUESTS_PER_RUN, STEP_S, WARMUP, assert_matches_theory,
 )
 from conftest import linear  # noqa: E402
-from servetune.envs.simulator import simulate_workload  # noqa: E402
+from servetune.envs.sim.simulator import simulate_workload  # noqa: E402
 
 RUNS = 80
 
@@ -287,7 +287,7 @@ def test_fair_share_protects_the_well_behaved_tenant():
 from servetune.config_loader import config_from_dict  # noqa: E402
 from servetune.envs import engine  # noqa: E402
 from servetune.errors import ConfigError  # noqa: E402
-from servetune.search.space import SearchSpace, apply_knobs  # noqa: E402
+from servetune.search.study.space import SearchSpace, apply_knobs  # noqa: E402
 
 
 @pytest.mark.parametrize("scheduler, fragment", [
@@ -316,7 +316,7 @@ def test_weights_are_knobs_a_search_sets_without_recompiling():
     assert dict(tuned.scheduler.priority_weights) == {"waiting_s": -1.0, "prompt_tokens": 0.25}
     assert space.values_in(tuned) == {"scheduler.priority_weights.prompt_tokens": 0.25}
 
-    from servetune.envs.workload import build_workload
+    from servetune.envs.workload.requests import build_workload
     workload = build_workload(config.workload)
     cost = linear(0.01, 1e-4)
 
@@ -342,7 +342,7 @@ def test_fair_share_keeps_two_backlogged_tenants_within_the_vtc_bound():
     size of tenant 1's, both faster than the engine serves. Each step boundary admits at most max_num_seqs
     requests on counters read at that boundary, so the difference stays within 2 x max_num_seqs x U, U
     the largest request's service; FCFS serves in arrival order and lets it grow with time."""
-    from servetune.envs.reference import _Engine
+    from servetune.envs.sim.reference import _Engine
 
     rng = np.random.default_rng(3)
     n = 1200

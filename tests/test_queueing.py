@@ -26,9 +26,9 @@ import pytest
 
 from conftest import linear, scheduler_config
 from servetune.cost_models.linear import step_time_s
-from servetune.envs.outcome import COMPLETED
-from servetune.envs.simulator import simulate_workload
-from servetune.envs.workload import Workload
+from servetune.envs.sim.outcome import COMPLETED
+from servetune.envs.sim.simulator import simulate_workload
+from servetune.envs.workload.requests import Workload
 
 RUNS = 80                 # independent seeds per estimate
 REQUESTS_PER_RUN = 2000   # one request count for every queue here, so the engine compiles once

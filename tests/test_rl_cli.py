@@ -13,9 +13,9 @@ import yaml
 
 from servetune.cli import main
 from servetune.config_loader import load_config
-from servetune.search.policy_file import load_policy
-from servetune.search.rl_eval import actor_arrays, heldout_world, play, policy_act
-from servetune.search.rl_train import (
+from servetune.search.rl.policy_file import load_policy
+from servetune.search.rl.evaluate import actor_arrays, heldout_world, play, policy_act
+from servetune.search.rl.train import (
     CHECKPOINT_FILE, CURVE_FILE, HISTORY_FILE, POLICY_FILE, control_world, policy_hash,
 )
 
@@ -142,7 +142,7 @@ def test_eval_policy_refuses_a_policy_trained_on_another_config(trained, capsys)
 
 
 def test_eval_policy_says_how_to_get_past_an_older_study_of_its_name(trained, tmp_path, capsys):
-    from servetune.search.study import open_study
+    from servetune.search.study.optimize import open_study
     storage = str(tmp_path / "s.db")
     other = load_config(CHAT, ["workload.arrivals.rate=9"])
     open_study(other, "chat-static", storage)   # the name eval-policy gives its study of examples/chat.yaml

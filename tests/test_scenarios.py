@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from servetune.config_loader import load_config
-from servetune.envs.workload import build_workload
+from servetune.envs.workload.requests import build_workload
 from servetune.pipeline import simulate_config
 
 SCENARIOS = Path(__file__).resolve().parent.parent / "examples" / "scenarios"

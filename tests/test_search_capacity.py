@@ -10,8 +10,8 @@ from conftest import uniform_slos
 from servetune.config_loader import config_from_dict
 from servetune.cost_models.factory import build_cost_model
 from servetune.envs.metrics import compute_metrics
-from servetune.envs.simulator import simulate_workload
-from servetune.envs.workload import build_workload
+from servetune.envs.sim.simulator import simulate_workload
+from servetune.envs.workload.requests import build_workload
 from servetune.errors import UserError
 from servetune.pipeline import resolve
 from servetune.search.capacity import find_capacity, offered_rate, scale_arrivals
@@ -141,8 +141,8 @@ def test_the_capacity_objective_scores_each_trial_by_its_capacity(tmp_path):
     from search_configs import write_config
     from servetune.config_loader import load_config
     from servetune.search.capacity import MAX_DOUBLINGS
-    from servetune.search.objectives import OBJECTIVES
-    from servetune.search.study import chosen_trial, run_study, trial_config
+    from servetune.objectives import OBJECTIVES
+    from servetune.search.study.optimize import chosen_trial, run_study, trial_config
     from optuna.trial import TrialState
 
     description = OBJECTIVES["capacity"].description

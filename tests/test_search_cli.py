@@ -19,7 +19,7 @@ from servetune.errors import UserError
 from servetune.search import cli as search_cli
 from servetune.search.evaluate import use_persistent_compilation_cache
 from servetune.search.provenance import config_data, config_hash
-from servetune.search.study import best_trials, load_study
+from servetune.search.study.optimize import best_trials, load_study
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 

@@ -13,9 +13,9 @@ from optuna.trial import TrialState
 
 from search_configs import study_data, worker_command, write_config
 from servetune.search.evaluate import use_persistent_compilation_cache
-from servetune.search.storage import open_storage
-from servetune.search.study import REFUSAL_ATTR
-from servetune.search.workers import WORKER_ATTR
+from servetune.search.study.storage import open_storage
+from servetune.search.study.optimize import REFUSAL_ATTR
+from servetune.search.study.workers import WORKER_ATTR
 
 TRIALS = 32
 URL_VARIABLE = "SERVETUNE_TEST_POSTGRES_URL"

@@ -22,7 +22,7 @@ from servetune.search import cli as search_cli
 from servetune.search.evaluate import use_persistent_compilation_cache
 from servetune.search.export import Policy, check_vllm, export
 from servetune.search.provenance import config_hash
-from servetune.search.study import run_study
+from servetune.search.study.optimize import run_study
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 

@@ -14,14 +14,14 @@ from rich.console import Console
 from search_configs import STUDY_KNOBS, study_config
 from servetune.config_loader import config_from_dict, load_config
 from servetune.errors import ConfigError, UserError
-from servetune.envs.simulator import concurrency_bound
+from servetune.envs.sim.simulator import concurrency_bound
 from servetune.pipeline import resolve, simulate_config
-from servetune.search.baselines import baselines, space_with_baselines
+from servetune.search.study.baselines import baselines, space_with_baselines
 from servetune.search.evaluate import BatchEvaluator, use_persistent_compilation_cache
 from servetune.vllm_defaults import vllm_default_knobs
-from servetune.search.space import SearchSpace, apply_knobs
-from servetune.search import study as study_module
-from servetune.search.study import (
+from servetune.search.study.space import SearchSpace, apply_knobs
+from servetune.search.study.optimize import optimize as study_module
+from servetune.search.study.optimize import (
     REFUSAL_ATTR, best_trials, chosen_trial, is_feasible, open_study, run_study, trial_config,
 )
 
@@ -265,7 +265,7 @@ def test_bad_search_sections_are_named(search, message):
 
 def test_seeds_and_scenarios_combine_as_documented():
     """Mean over seeds, then the worst scenario, against separate single simulations."""
-    from servetune.search.scenarios import evaluate_knobs, variants
+    from servetune.search.study.scenarios import evaluate_knobs, variants
 
     config = study_config(workload_seeds=[1, 2], scenarios=[{"workload.arrivals.rate": 10.0},
                                                             {"workload.arrivals.rate": 20.0}], aggregate="worst")
@@ -291,7 +291,7 @@ def test_seeds_and_scenarios_combine_as_documented():
 
 def test_trials_asked_beyond_the_total_by_racing_workers_fail_unrun():
     """Two workers each see one trial missing and both ask: the later-numbered trial is surplus."""
-    from servetune.search.study import SURPLUS_ATTR, _drop_surplus
+    from servetune.search.study.optimize import SURPLUS_ATTR, _drop_surplus
 
     study = optuna.create_study()
     for _ in range(4):
@@ -307,7 +307,7 @@ def test_trials_asked_beyond_the_total_by_racing_workers_fail_unrun():
 @pytest.mark.parametrize("goodput,tp,gpus", [(4.0, 2, 6.0), (10.0, 1, 1.0), (5.0, 1, 2.0), (0.0, 1, float("inf")),
                                              (None, 1, float("inf"))])
 def test_gpus_needed_is_replicas_for_the_offered_load_times_tp(goodput, tp, gpus):
-    from servetune.search.objectives import add_gpus_needed
+    from servetune.objectives import add_gpus_needed
 
     # 100 requests offered over 10 s: 10 req/s; each replica of `tp` GPUs delivers `goodput`.
     metrics = {"arrived": 100, "duration_s": 10.0, "request_goodput": goodput}
@@ -412,7 +412,7 @@ def test_a_resumed_study_proposes_none_of_its_first_runs_configurations_again(tm
 
 
 def test_the_first_run_keeps_the_studys_seed_and_a_resumed_one_draws_its_own():
-    from servetune.search.study import run_seed
+    from servetune.search.study.optimize import run_seed
 
     assert run_seed(7, 0) == 7
     assert len({run_seed(7, 5), run_seed(7, 6), run_seed(8, 5), 7}) == 4

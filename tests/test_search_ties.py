@@ -9,8 +9,8 @@ from optuna.trial import TrialState, create_trial
 
 from servetune.config_loader import load_config
 from servetune.search.evaluate import use_persistent_compilation_cache
-from servetune.search.objectives import OBJECTIVES
-from servetune.search.study import _best_so_far, best_trials, chosen_trial, run_study, select_best
+from servetune.objectives import OBJECTIVES
+from servetune.search.study.optimize import _best_so_far, best_trials, chosen_trial, run_study, select_best
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 GOODPUT, TTFT = OBJECTIVES["goodput"], OBJECTIVES["p99_ttft"]

@@ -19,13 +19,13 @@ from servetune.config import SloConfig, TenantConfig
 from servetune.config_loader import config_from_dict
 from servetune.cost_models.linear import step_time_s
 from servetune.envs.metrics import compute_metrics, readable_window_s, segment_metrics
-from servetune.envs.outcome import (
+from servetune.envs.sim.outcome import (
     COMPLETED, NOT_ARRIVED, REJECT_MAX_MODEL_LEN, REJECT_NONE, REJECTED, UNFINISHED, EngineTotals, RequestOutcomes,
     ITL_HIST_BINS, SimulationOutcome,
 )
-from servetune.envs.reference import simulate_reference
-from servetune.envs.slos import per_request_slos
-from servetune.envs.workload import Workload
+from servetune.envs.sim.reference import simulate_reference
+from servetune.envs.workload.slos import per_request_slos
+from servetune.envs.workload.requests import Workload
 from servetune.pipeline import RunReport, simulate_config
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from conftest import linear, scheduler_config
-from servetune.envs import simulator
-from servetune.envs.reference import simulate_reference
-from servetune.envs.workload import Workload
+from servetune.envs.sim import simulator
+from servetune.envs.sim.reference import simulate_reference
+from servetune.envs.workload.requests import Workload
 from servetune.cost_models.linear import step_time_s
 
 

@@ -20,7 +20,7 @@ from conftest import linear, scheduler_config, uniform_slos
 from servetune.config import SloConfig
 from servetune.cost_models.linear import step_time_s
 from servetune.envs.metrics import compute_metrics, segment_metrics, write_requests_csv
-from servetune.envs.outcome import (
+from servetune.envs.sim.outcome import (
     COMPLETED,
     ITL_HIST_BINS,
     NOT_ARRIVED,
@@ -31,7 +31,7 @@ from servetune.envs.outcome import (
     UNFINISHED,
     itl_bin_index,
 )
-from servetune.envs.workload import Workload
+from servetune.envs.workload.requests import Workload
 
 NAN = math.nan
 BASE_COST = linear(1.0, per_token=0.01)

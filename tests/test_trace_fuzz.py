@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from test_traces import assert_one_line_trace_error
-from servetune.envs.traces import TRACE_PARSERS, load_trace
+from servetune.envs.workload.traces import TRACE_PARSERS, load_trace
 from servetune.errors import TraceError
 
 

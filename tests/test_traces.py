@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from servetune.envs.traces import block_reuse_rate, load_trace
-from servetune.envs.workload import NO_PREFIX, Workload
+from servetune.envs.workload.traces import block_reuse_rate, load_trace
+from servetune.envs.workload.requests import NO_PREFIX, Workload
 from servetune.errors import TraceError
 from servetune.paths import REPO_ROOT, shared_data_dir
 

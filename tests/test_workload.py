@@ -14,8 +14,8 @@ from servetune.config import (
     MAX_TOKEN_COUNT, ArrivalsConfig, LengthsConfig, SessionsConfig, TenantConfig, WorkloadConfig,
 )
 from servetune.config_loader import config_from_dict, load_config
-from servetune.envs.traces import load_trace
-from servetune.envs.workload import NO_PREFIX, Workload, build_workload, take_rows
+from servetune.envs.workload.traces import load_trace
+from servetune.envs.workload.requests import NO_PREFIX, Workload, build_workload, take_rows
 from servetune.errors import ConfigError, TraceError
 from servetune.paths import REPO_ROOT, shared_data_dir
 
@@ -323,7 +323,7 @@ def test_a_servegen_scale_that_would_flood_a_window_is_refused_before_drawing_it
 
 
 def test_a_renewal_whose_gaps_round_to_zero_ends_instead_of_looping(monkeypatch):
-    from servetune.envs import arrivals
+    from servetune.envs.workload.requests import arrivals
 
     # A gap distribution with every gap 0 s, as a shape far below ServeGen's fits makes them: the window would
     # never end. The guard stops after MAX_NUM_REQUESTS arrivals (made small here).

@@ -1,0 +1,1 @@
+"""The Gymnasium environments: a functional JAX core, the world it simulates, actions, baselines and adapters."""

@@ -1,0 +1,1434 @@
+"""The JAX serving engine: vLLM V1's scheduling step as a pure function over fixed-shape arrays.
+
+The rules are docs/engine-semantics.md's; ``envs/sim/reference.py`` states them as a plain loop and
+this module computes the same thing without a Python loop over requests or steps:
+
+* A **request table** (one row per request, in arrival order) holds what persists while a request is
+  not running; a **slot table** (``num_slots`` rows) holds the running requests, compacted in
+  admission order so that "earlier-admitted first" is simply array order.
+* The waiting queue is a ring buffer of request ids: arrivals append at the back, preempted requests
+  are prepended at the front, admissions pop the front.
+* Open-loop arrivals are a pointer into the request table, sorted by arrival. Closed-loop sessions keep
+  one pending call per session instead -- the call that arrives next and when -- which completions and
+  rejections write, and from which each iteration takes the due calls earliest first (ties by id). Its
+  fields are None for open-loop workloads, so those compile as if it did not exist.
+* Sequential rules become prefix computations: the token budget is an exclusive cumulative sum, "stop
+  at the first request that does not fit" is a prefix-AND, and preempting from the back of the running
+  set until an allocation fits is a comparison of cumulative block demand against suffix sums of the
+  blocks the back requests hold. vLLM's priority policy preempts the worst-scored request wherever it
+  runs, which no prefix captures: a scored queue's pass that must preempt runs one request at a time.
+* Async scheduling (vLLM's batch queue) is the same loop with each decision taken one step early: a
+  boundary's decision sees the arrivals up to the previous boundary (`EngineState.cutoff_*`), and the
+  requests the step that just ended completed keep their slots, seats and blocks (`Slots.leaving`) until
+  it is taken.
+* **Macro-steps.** Between events that the scheduler acts on (an admission, or a boundary where one
+  could happen; a preemption; a prefill finishing) consecutive steps repeat the same schedule: every
+  decode's context one token longer, requests that finish dropping out, and the one request still
+  prefilling in chunks taking the budget the decodes leave. One loop iteration evaluates the cost model
+  for up to ``LOOKAHEAD_STEPS`` such steps at once and applies as many as happen before the next event,
+  so the loop runs once per event rather than once per engine step. Each step is still costed and
+  accounted individually.
+
+Numbers: token and block counts are int32. Time is float32, except the clock and arrival times, which
+are double-float pairs (hi + lo, each float32): a run of 300,000 steps of ~15 ms at t ~ 5,000 s would
+otherwise round every step to float32's 0.5 ms spacing there. Latencies are stored as float32
+differences, which are accurate.
+"""
+from __future__ import annotations
+
+from functools import lru_cache, partial
+from typing import Any, Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from jax.custom_batching import custom_vmap
+
+from servetune.envs.sim.double_float import df_add, df_le, df_sub
+from servetune.envs.sim.outcome import (
+    COMPLETED, ITL_HIST_BINS, ITL_HIST_MIN_S, ITL_LOG_BIN_WIDTH, NOT_ARRIVED, REJECT_MAX_MODEL_LEN, REJECT_QUEUE_FULL,
+    REJECT_TENANT_RATE, REJECTED, UNFINISHED,
+)
+from servetune.envs.sim.queue_order import DECODE_TOKEN_WEIGHT, FEATURES, PREFILL_TOKEN_WEIGHT
+from servetune.parallel import across_cores, use_all_cores
+from servetune.pytree import pytree_dataclass, replace
+from servetune.types import StepBatch
+
+# Batches of configs and envs are split across the cores (servetune/parallel.py): this must run before
+# JAX's backend starts, and the engine is what every batched run imports first.
+use_all_cores()
+
+LOOKAHEAD_STEPS = 64        # steps one loop iteration may apply at once
+ARRIVALS_PER_ITERATION = 16  # arrivals processed per loop iteration (more just take more iterations)
+NO_LIMIT = 2**30
+DEFICIT = FEATURES.index("deficit")
+
+
+f32, i32 = jnp.float32, jnp.int32
+
+
+# ---------------------------------------------------------------------------------------------
+# Pytrees
+# ---------------------------------------------------------------------------------------------
+@pytree_dataclass
+class Trace:
+    """The workload on the device. Arrival times are double-float (hi + lo)."""
+
+    arrival_hi: jnp.ndarray
+    arrival_lo: jnp.ndarray
+    prompt: jnp.ndarray
+    output: jnp.ndarray
+    # What the queue orders read (envs/sim/queue_order.py); the fcfs queue reads none of it.
+    arrival_rel: jnp.ndarray        # float32 seconds since the first arrival (scores compare these)
+    tenant: jnp.ndarray             # int32 index of the request's tenant
+    priority: jnp.ndarray           # float32 class priority
+    predicted_output: jnp.ndarray   # float32 output length the scheduler believes
+    ttft_budget: jnp.ndarray        # float32 seconds from arrival to its TTFT deadline
+    rate_limited: jnp.ndarray       # bool: its tenant's rate limit refuses it at arrival (envs/workload/admission.py)
+    # Closed-loop sessions only (None for open-loop arrivals, which compile without them). A session's calls
+    # are consecutive ids; call r + 1 follows call r when both have the same session.
+    session: Any = None             # int32 session of each call
+    think: Any = None               # float32 seconds from the previous call's end to this call's arrival
+    first_call: Any = None          # int32[num_sessions] each session's first call
+
+
+class QueueShape(NamedTuple):
+    """Static sizes of a scored (non-fcfs) queue: the pool of waiting ids, and the tenants counted."""
+
+    pool_size: int
+    num_tenants: int
+
+
+@pytree_dataclass
+class EngineParams:
+    """Every knob is a traced value: changing one does not recompile, and configs vmap."""
+
+    max_num_seqs: jnp.ndarray
+    max_num_batched_tokens: jnp.ndarray
+    chunked_prefill: jnp.ndarray           # bool
+    long_prefill_token_threshold: jnp.ndarray
+    block_size: jnp.ndarray
+    usable_kv_blocks: jnp.ndarray          # num_kv_blocks - 1: vLLM keeps block 0 back as its null block
+    watermark_blocks: jnp.ndarray          # int(watermark * num_kv_blocks), computed on the host
+    max_num_queued_reqs: jnp.ndarray       # NO_LIMIT when unset
+    max_model_len: jnp.ndarray             # longer requests are refused at arrival
+    reserve_full_prompt: jnp.ndarray       # bool: admission checks that the whole prompt fits
+    pipelined: jnp.ndarray                 # bool: async scheduling (step k + 1 scheduled while step k runs)
+    static_batching: jnp.ndarray           # bool
+    batch_size: jnp.ndarray
+    max_wait_s: jnp.ndarray
+    horizon_hi: jnp.ndarray                # +inf when unset
+    horizon_lo: jnp.ndarray
+    max_iterations: jnp.ndarray            # a guard against a bug, never a semantic limit
+    order_weights: jnp.ndarray             # float32[len(FEATURES)]: the scored queue's weights
+    cached_tokens: Any                     # int32[n] prompt tokens found in the prefix cache; None: no cache
+    cost: Any                              # the cost model's parameter pytree
+
+
+@pytree_dataclass
+class Slots:
+    """The running requests, positions [0, num_running) valid, in admission order."""
+
+    req: jnp.ndarray
+    prompt: jnp.ndarray
+    output: jnp.ndarray
+    computed: jnp.ndarray
+    generated: jnp.ndarray
+    blocks: jnp.ndarray
+    gap: jnp.ndarray        # seconds since the request's last emitted token
+    max_gap: jnp.ndarray
+    sum_sq_gap: jnp.ndarray
+    leaving: jnp.ndarray    # async: completed by the step that just ended, so still seated at this boundary
+    tenant: Any = None      # scored queues only (None under fcfs, so fcfs carries nothing extra):
+    rank: Any = None        # the score it was admitted with: the worst is the preemption victim
+
+
+@pytree_dataclass
+class Requests:
+    """Per-request state that outlives a slot (and the results)."""
+
+    status: jnp.ndarray
+    reason: jnp.ndarray
+    generated: jnp.ndarray
+    preemptions: jnp.ndarray
+    ttft: jnp.ndarray
+    e2el: jnp.ndarray
+    max_gap: jnp.ndarray
+    sum_sq_gap: jnp.ndarray
+    last_emit_hi: jnp.ndarray
+    last_emit_lo: jnp.ndarray
+    arrival_hi: Any = None  # closed-loop only: when each call arrived (set as it is processed)
+    arrival_lo: Any = None
+
+
+@pytree_dataclass
+class EngineState:
+    clock_hi: jnp.ndarray
+    clock_lo: jnp.ndarray
+    next_arrival: jnp.ndarray
+    queue: jnp.ndarray
+    queue_head: jnp.ndarray
+    queue_len: jnp.ndarray
+    slots: Slots
+    num_running: jnp.ndarray
+    free_blocks: jnp.ndarray
+    requests: Requests
+    steps: jnp.ndarray
+    scheduled_seqs: jnp.ndarray
+    kv_block_seconds: jnp.ndarray
+    in_system_seconds: jnp.ndarray
+    itl_histogram: jnp.ndarray
+    iterations: jnp.ndarray
+    ended: jnp.ndarray
+    slots_filled: jnp.ndarray  # the slot table was full while max_num_seqs allowed more: rerun with more
+    # Async scheduling, in the engine's terms: the decision at a boundary was really taken when the step that
+    # just ended started (vLLM schedules step k + 1 while step k runs). So it sees the arrivals up to then
+    # (`cutoff`), and the requests that step completed still hold their seats and blocks (`Slots.leaving`).
+    pipelined_now: jnp.ndarray  # this boundary's decision was taken a step early
+    cutoff_hi: jnp.ndarray
+    cutoff_lo: jnp.ndarray
+    # Scored queues: `queue` is a pool of waiting ids in [0, queue_len), kept in id (= arrival) order so that
+    # top_k, which breaks ties by position, breaks them by arrival; and per tenant a virtual
+    # token counter, the requests it has in the system and whether it had any at the last step boundary.
+    pool_filled: jnp.ndarray   # the pool overflowed: rerun with a larger one
+    pool_key: jnp.ndarray      # per pool entry: its score without the deficit term (fixed per request);
+                               # +inf marks an admitted entry not yet compacted away
+    pool_end: jnp.ndarray      # entries [0, pool_end) are live or admitted; queue_len of them are live
+    pool_tenant: jnp.ndarray   # per pool entry: its tenant
+    tenant_tokens: jnp.ndarray
+    tenant_in_system: jnp.ndarray
+    tenant_active: jnp.ndarray
+    # Closed-loop only: per session, the call that arrives next (n when none is released) and when.
+    pending_call: Any = None
+    pending_hi: Any = None   # +inf when none
+    pending_lo: Any = None
+
+
+# ---------------------------------------------------------------------------------------------
+# One loop iteration (docs/engine-semantics.md names the steps)
+# ---------------------------------------------------------------------------------------------
+def _iteration(trace, params, state, cost_fn, num_slots, scored: bool):
+    """One turn of the loop: the decision at a step boundary (``state``), as vLLM's ``Scheduler.schedule()``
+    takes it (``decided``), then the steps it launches, to the next boundary (``after``). ``scored``: the
+    waiting requests are a pool ranked by score (every order but fcfs) rather than a ring in arrival order."""
+    if scored:
+        # Room for this iteration's arrivals and preemption victims, before anything reads the pool.
+        state = _make_room(state, ARRIVALS_PER_ITERATION + num_slots)
+    # -- Arrival: the API server's refusals, then the back of the waiting queue ----------------------
+    state, more_due, arrived = _process_arrivals(trace, params, state, scored)
+    past_horizon = df_le(params.horizon_hi, params.horizon_lo, state.clock_hi, state.clock_lo)
+    live = _live(state, params)
+    active = ~more_due & ~past_horizon & live
+
+    if scored:
+        # Only where a request could be admitted: such boundaries always end a macro-step, so the lift
+        # sees the same counters as it would one engine step at a time.
+        lifts = active & ~_seats_closed(params, state.num_running)
+        lifted = _lift_rejoining_tenants(state)
+        state = replace(state,
+            tenant_tokens=jnp.where(lifts, lifted.tenant_tokens, state.tenant_tokens),
+            tenant_active=jnp.where(lifts, lifted.tenant_active, state.tenant_active))
+        front, front_valid, front_at = _pool_front(trace, params, state, num_slots)
+    else:
+        front, front_valid = _queue_front(trace, params, state, arrived, num_slots)
+    # -- 1. static batching: a batch moves in when nothing runs ---------------------------------------
+    timeout = _static_timeout(trace, params, state, front)
+    decided, batched = _form_static_batch(trace, params, state, front, front_valid, timeout, num_slots)
+    # -- 2. running pass, preempting by recompute where the cache is short ---------------------------
+    cap = _long_prefill_cap(params, state.num_running + state.queue_len)   # a batch formed moves none out
+    if scored:
+        slots, tokens, preempted, free = _running_pass_by_score(params, decided, num_slots, cap)
+    else:
+        slots, tokens, preempted, end, free = _running_pass(params, decided, num_slots, cap)
+    preempted = preempted & active
+    tokens = jnp.where(active, tokens, 0)
+    decided = _requeue_preempted(trace, params, decided, slots, preempted, num_slots)
+    if scored:
+        # The requests that left as the decision was being taken leave the tenants' counts now.
+        left = slots.leaving & (jnp.arange(num_slots) < decided.num_running)
+        decided = replace(decided, tenant_in_system=decided.tenant_in_system.at[slots.tenant].add(-left.astype(i32)))
+        # Victims may be anywhere in the running set: close the gaps, keeping admission order.
+        slots, tokens, end = _kept(slots, tokens, (jnp.arange(num_slots) < decided.num_running) & ~preempted)
+    decided = replace(decided, num_running=end)
+    # -- 3. waiting pass: admissions from the queue's front, while budget, seats and blocks last --------
+    budget_left = params.max_num_batched_tokens - jnp.sum(tokens)
+    allowed = active & ~params.static_batching & ~jnp.any(preempted)
+    decided, slots, admitted_tokens, admitted, free = _waiting_pass(
+        trace, params, decided, front, front_valid, slots, budget_left, free, allowed, num_slots, cap)
+    tokens = tokens + admitted_tokens
+    if scored:
+        decided = _remove_from_pool(decided, front_at, jnp.where(active, batched + admitted, 0))
+    else:
+        decided = replace(decided, queue=_write_queue(trace, state.queue, arrived, slots.req,
+                                                      preempted & ~slots.leaving, decided.queue_head - admitted))
+    # The requests that left as the decision was being taken give up their seats and blocks in `_advance`'s
+    # compaction.
+    decided = replace(decided, slots=slots, num_running=end + admitted, free_blocks=free)
+
+    # -- Steps: the scheduled step and the run of steps of its shape after it; else idle ---------------
+    busy = jnp.any(tokens > 0)
+    front_blocks = None
+    if not scored:
+        # What the queue's front will need to be admitted (the waiting pass's test).
+        at = jnp.minimum(admitted, num_slots - 1)
+        length = front.prompt[at] + front.generated[at]
+        chunk = jnp.where(params.reserve_full_prompt, length, front.computed[at] + 1)
+        # (After a preemption the victims are the front: claim nothing.)
+        front_blocks = jnp.where(front_valid[at] & (admitted < num_slots) & ~jnp.any(preempted),
+                                 _ceil_div(chunk, params.block_size) + params.watermark_blocks, 0)
+    stepped = _advance(trace, params, decided, slots, tokens, cost_fn, num_slots, front_blocks)
+    # A decision taken a step early that schedules nothing is taken again now, on what this boundary sees
+    # (with nothing scheduled `_advance` only drops the requests that left).
+    retaken = replace(decided, slots=stepped.slots, num_running=stepped.num_running,
+                      free_blocks=stepped.free_blocks, pipelined_now=jnp.asarray(False))
+    idled = _idle(trace, params, state, timeout)
+    after = _choose(active, _choose(busy, stepped, _choose(state.pipelined_now, retaken, idled)), state)
+    # The slot count is a capacity bound, not a knob: if it ever binds, the caller reruns with more.
+    table_full = (end + admitted >= num_slots) & (num_slots < params.max_num_seqs) & ~params.static_batching
+    slots_filled = state.slots_filled | (active & table_full)
+    return replace(after,
+        # A run that outgrew its tables is rerun with larger ones, so it may stop here.
+        ended=after.ended | (~more_due & past_horizon) | slots_filled | after.pool_filled,
+        iterations=state.iterations + live.astype(i32),
+        slots_filled=slots_filled,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Small array helpers
+# ---------------------------------------------------------------------------------------------
+def _ceil_div(a, b):
+    return (a + b - 1) // b
+
+
+def _exclusive_cumsum(x):
+    return jnp.cumsum(x) - x
+
+
+def _prefix_and(mask):
+    """True up to (not including) the first False. (Found with one reduction: a cumsum is several kernels.)"""
+    n = mask.shape[0]
+    first_false = jnp.where(jnp.all(mask), n, jnp.argmax(~mask))
+    return jnp.arange(n) < first_false
+
+
+def _itl_bin(gap):
+    idx = jnp.floor(jnp.log(jnp.maximum(gap, ITL_HIST_MIN_S) / ITL_HIST_MIN_S) / ITL_LOG_BIN_WIDTH)
+    return jnp.clip(idx, 0, ITL_HIST_BINS - 1).astype(i32)
+
+
+def _set_where(array, index, value, mask):
+    """array[index] = value where mask; masked-off rows are dropped, not written."""
+    return array.at[jnp.where(mask, index, array.shape[0])].set(value, mode="drop")
+
+
+# ---------------------------------------------------------------------------------------------
+# Initial state
+# ---------------------------------------------------------------------------------------------
+def init_state(trace: Trace, params: EngineParams, num_slots: int, queue_shape: Optional[QueueShape]) -> EngineState:
+    n = trace.prompt.shape[0]
+    zeros_i = jnp.zeros(num_slots, i32)
+    zeros_f = jnp.zeros(num_slots, f32)
+    slots = Slots(zeros_i, zeros_i, zeros_i, zeros_i, zeros_i, zeros_i, zeros_f, zeros_f, zeros_f,
+                  jnp.zeros(num_slots, bool))
+    if queue_shape is not None:
+        slots = replace(slots, tenant=zeros_i, rank=zeros_f)
+    queue_size = n if queue_shape is None else queue_shape.pool_size
+    tenants = 1 if queue_shape is None else queue_shape.num_tenants
+    rz_i, rz_f = jnp.zeros(n, i32), jnp.zeros(n, f32)
+    nan = jnp.full(n, jnp.nan, f32)
+    # Status in outcome.py's codes: a request in the system is UNFINISHED until it completes.
+    requests = Requests(jnp.full(n, NOT_ARRIVED, i32), rz_i, rz_i, rz_i, nan, nan, rz_f, rz_f, rz_f, rz_f)
+    closed_loop = {}
+    if trace.think is not None:
+        requests = replace(requests, arrival_hi=rz_f, arrival_lo=rz_f)
+        closed_loop = dict(pending_call=trace.first_call, pending_hi=trace.arrival_hi[trace.first_call],
+                           pending_lo=trace.arrival_lo[trace.first_call])
+    # The clock starts at the first arrival -- or at the horizon, if nothing arrives before it.
+    starts_at_horizon = df_le(params.horizon_hi, params.horizon_lo, trace.arrival_hi[0], trace.arrival_lo[0])
+    return EngineState(
+        clock_hi=jnp.where(starts_at_horizon, params.horizon_hi, trace.arrival_hi[0]),
+        clock_lo=jnp.where(starts_at_horizon, params.horizon_lo, trace.arrival_lo[0]),
+        next_arrival=jnp.asarray(0, i32),
+        queue=jnp.zeros(queue_size, i32), queue_head=jnp.asarray(0, i32), queue_len=jnp.asarray(0, i32),
+        slots=slots, num_running=jnp.asarray(0, i32),
+        free_blocks=jnp.asarray(params.usable_kv_blocks, i32),
+        requests=requests,
+        steps=jnp.asarray(0, i32), scheduled_seqs=jnp.asarray(0, i32),
+        kv_block_seconds=jnp.asarray(0.0, f32), in_system_seconds=jnp.asarray(0.0, f32),
+        itl_histogram=jnp.zeros(ITL_HIST_BINS, i32),
+        iterations=jnp.asarray(0, i32), ended=jnp.asarray(False), slots_filled=jnp.asarray(False),
+        pipelined_now=jnp.asarray(False), cutoff_hi=jnp.asarray(0.0, f32), cutoff_lo=jnp.asarray(0.0, f32),
+        pool_filled=jnp.asarray(False), tenant_tokens=jnp.zeros(tenants, i32),
+        pool_key=jnp.zeros(0 if queue_shape is None else queue_size, f32), pool_end=jnp.asarray(0, i32),
+        pool_tenant=jnp.zeros(0 if queue_shape is None else queue_size, i32),
+        tenant_in_system=jnp.zeros(tenants, i32), tenant_active=jnp.zeros(tenants, bool),
+        **closed_loop,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Arrivals
+# ---------------------------------------------------------------------------------------------
+def _decided_at(state):
+    """When this boundary's decision is taken: now, or for async scheduling as the step that just ended began.
+    (At the horizon, the decision the run stops before.)"""
+    return (jnp.where(state.pipelined_now, state.cutoff_hi, state.clock_hi),
+            jnp.where(state.pipelined_now, state.cutoff_lo, state.clock_lo))
+
+
+def _due_at(params, state, exists, a_hi, a_lo):
+    """Whether an arrival that `exists` at (a_hi, a_lo) is due by this boundary's decision, and before the
+    horizon."""
+    until_hi, until_lo = _decided_at(state)
+    return (
+        exists
+        & df_le(a_hi, a_lo, until_hi, until_lo)
+        & ~df_le(params.horizon_hi, params.horizon_lo, a_hi, a_lo)
+    )
+
+
+def _arrival_due(trace, params, state, index):
+    """Whether open-loop request `index` has arrived by the clock (and before the horizon)."""
+    n = trace.prompt.shape[0]
+    safe = jnp.minimum(index, n - 1)
+    return _due_at(params, state, index < n, trace.arrival_hi[safe], trace.arrival_lo[safe])
+
+
+def _arrival_of(trace, state, ids):
+    """Arrival times (hi, lo) of requests `ids`: the workload's, or a closed-loop call's as it arrived."""
+    if trace.think is None:
+        return trace.arrival_hi[ids], trace.arrival_lo[ids]
+    return state.requests.arrival_hi[ids], state.requests.arrival_lo[ids]
+
+
+def _next_arrival(trace, state):
+    """(hi, lo, whether there is one) of the earliest arrival not yet processed. Closed-loop: the earliest
+    released call (the ids that tie do not matter here, only the time)."""
+    n = trace.prompt.shape[0]
+    if trace.think is None:
+        nxt = jnp.minimum(state.next_arrival, n - 1)
+        return trace.arrival_hi[nxt], trace.arrival_lo[nxt], state.next_arrival < n
+    hi = jnp.min(state.pending_hi)
+    exists = jnp.isfinite(hi)
+    lo = jnp.min(jnp.where(state.pending_hi == hi, state.pending_lo, jnp.inf))
+    return hi, jnp.where(exists, lo, 0.0), exists
+
+
+def _due_arrivals(trace, params, state):
+    """The next ARRIVALS_PER_ITERATION arrivals in processing order -- (ids, arrival hi, lo, which are due: a
+    prefix) -- and, closed-loop, whether more than those are due (None: open-loop asks after processing).
+
+    Open-loop arrivals are the workload's rows in order. Closed-loop ones are the sessions' released calls,
+    earliest first, ties by id: taken from the pending table one at a time while any is due, so that an
+    iteration pays for the calls it takes (usually none or one) rather than for sorting every session.
+    """
+    n = trace.prompt.shape[0]
+    if trace.think is None:
+        index = state.next_arrival + jnp.arange(ARRIVALS_PER_ITERATION, dtype=i32)
+        safe = jnp.minimum(index, n - 1)
+        return index, trace.arrival_hi[safe], trace.arrival_lo[safe], _arrival_due(trace, params, state, index), None
+    pending_hi, pending_lo, pending_call = state.pending_hi, state.pending_lo, state.pending_call
+
+    def take_earliest(carry):
+        taken, left, ids, his, los = carry
+        hi = jnp.min(jnp.where(left, pending_hi, jnp.inf))
+        lo = jnp.min(jnp.where(left & (pending_hi == hi), pending_lo, jnp.inf))
+        at = jnp.argmin(jnp.where(left & (pending_hi == hi) & (pending_lo == lo), pending_call, n))
+        return (taken + 1, left.at[at].set(False), ids.at[taken].set(pending_call[at]), his.at[taken].set(hi),
+                los.at[taken].set(lo))
+
+    due_anywhere = _due_at(params, state, pending_call < n, pending_hi, pending_lo)
+    start = (jnp.asarray(0, i32), due_anywhere, jnp.full(ARRIVALS_PER_ITERATION, n, i32),
+             jnp.full(ARRIVALS_PER_ITERATION, jnp.inf, f32), jnp.zeros(ARRIVALS_PER_ITERATION, f32))
+    taken, left, ids, hi, lo = jax.lax.while_loop(
+        lambda carry: (carry[0] < ARRIVALS_PER_ITERATION) & jnp.any(carry[1]), take_earliest, start)
+    return ids, hi, lo, jnp.arange(ARRIVALS_PER_ITERATION) < taken, jnp.any(left)
+
+
+class Arrived(NamedTuple):
+    """Arrivals accepted this iteration, in order; written into the queue at the iteration's end."""
+
+    ids: jnp.ndarray     # int32[ARRIVALS_PER_ITERATION], the first `count` valid
+    count: jnp.ndarray
+    tail: jnp.ndarray    # ring position of the first of them (the queue's back before they came)
+
+
+def _process_arrivals(trace: Trace, params: EngineParams, state: EngineState, scored: bool):
+    """Admit or reject up to ARRIVALS_PER_ITERATION due arrivals, in order; report if more are due."""
+    n = trace.prompt.shape[0]
+    index, arrival_hi, arrival_lo, due, more_due = _due_arrivals(trace, params, state)
+    safe = jnp.minimum(index, n - 1)
+    too_long = trace.prompt[safe] >= params.max_model_len   # vLLM's API server refuses it
+    limited = trace.rate_limited[safe]
+    admissible = due & ~limited & ~too_long
+    # vLLM's API server counts unfinished requests, waiting and running. Nothing leaves the system here,
+    # so the accepted arrivals are the first admissible ones that still find room.
+    rank = _exclusive_cumsum(admissible.astype(i32))
+    accepted = admissible & (state.queue_len + state.num_running + rank < params.max_num_queued_reqs)
+    rejected = due & ~accepted
+    reason = jnp.where(limited, REJECT_TENANT_RATE, jnp.where(too_long, REJECT_MAX_MODEL_LEN, REJECT_QUEUE_FULL))
+
+    count = jnp.sum(accepted, dtype=i32)
+    arrived = Arrived(
+        ids=jnp.zeros(ARRIVALS_PER_ITERATION, i32).at[jnp.where(accepted, rank, ARRIVALS_PER_ITERATION)].set(
+            index, mode="drop"),
+        count=count,
+        tail=(state.queue_head + state.queue_len) % n,
+    )
+    req = state.requests
+    req = replace(req,
+        status=_set_where(req.status, index, jnp.where(accepted, UNFINISHED, REJECTED), due),
+        reason=_set_where(req.reason, index, reason, rejected),
+    )
+    if trace.think is not None:
+        req = replace(req, arrival_hi=_set_where(req.arrival_hi, index, arrival_hi, due),
+                      arrival_lo=_set_where(req.arrival_lo, index, arrival_lo, due))
+        # A session's next call is released by this one's rejection, when the decision it came before was
+        # taken (by its completion otherwise).
+        state = _release_next_calls(trace, state, safe, due & ~accepted, due, _decided_at(state))
+    # A request arriving mid-step is in the system from its arrival, though processed at the boundary.
+    waited = df_sub(state.clock_hi, state.clock_lo, arrival_hi, arrival_lo)
+    next_arrival = state.next_arrival + jnp.sum(due, dtype=i32)
+    if scored:
+        # Arrivals are newer than everything in the pool, so appending keeps it in id order. One that
+        # finds the pool full marks the run for a rerun with a larger pool (and this run ends).
+        where = state.pool_end + rank
+        state = replace(state,
+            queue=_set_where(state.queue, where, index, accepted),
+            pool_key=_set_where(state.pool_key, where, _static_keys(trace, params, safe), accepted),
+            pool_tenant=_set_where(state.pool_tenant, where, trace.tenant[safe], accepted),
+            pool_end=state.pool_end + count,
+            pool_filled=state.pool_filled | (state.pool_end + count > state.queue.shape[0]),
+            tenant_in_system=state.tenant_in_system.at[trace.tenant[safe]].add(accepted.astype(i32)),
+        )
+    state = replace(state,
+        queue_len=state.queue_len + count,
+        requests=req,
+        next_arrival=next_arrival,
+        in_system_seconds=state.in_system_seconds + jnp.sum(jnp.where(accepted, waited, 0.0)),
+    )
+    if more_due is None:
+        more_due = _arrival_due(trace, params, state, next_arrival)
+    return state, more_due, arrived
+
+
+def _release_next_calls(trace, state, calls, release, written, at):
+    """For calls `calls` where `written`: their session's pending call becomes the next call, arriving its
+    think time after `at` (hi, lo) where `release` and the session has one, else none."""
+    n = trace.prompt.shape[0]
+    follower = jnp.minimum(calls + 1, n - 1)
+    release = release & (calls + 1 < n) & (trace.session[follower] == trace.session[calls])
+    at_hi, at_lo = df_add(at[0], at[1], trace.think[follower])
+    session = trace.session[calls]
+    return replace(state,
+        pending_call=_set_where(state.pending_call, session, jnp.where(release, follower, n), written),
+        pending_hi=_set_where(state.pending_hi, session, jnp.where(release, at_hi, jnp.inf), written),
+        pending_lo=_set_where(state.pending_lo, session, jnp.where(release, at_lo, 0.0), written),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Scheduling
+# ---------------------------------------------------------------------------------------------
+def _queue_front(trace: Trace, params: EngineParams, state: EngineState, arrived: Arrived,
+                 num_slots: int) -> tuple[Slots, jnp.ndarray]:
+    """The first num_slots waiting requests, as would-be slot rows, and which of them exist.
+
+    This iteration's arrivals are not in the ring yet: they follow its older entries.
+    """
+    n = trace.prompt.shape[0]
+    k = jnp.arange(num_slots, dtype=i32)
+    valid = k < state.queue_len
+    older = state.queue_len - arrived.count
+    from_ring = state.queue[(state.queue_head + k) % n]
+    from_arrivals = arrived.ids[jnp.clip(k - older, 0, ARRIVALS_PER_ITERATION - 1)]
+    ids = jnp.where(valid, jnp.where(k < older, from_ring, from_arrivals), 0)
+    req = state.requests
+    since_last = df_sub(state.clock_hi, state.clock_lo, req.last_emit_hi[ids], req.last_emit_lo[ids])
+    rows = Slots(
+        req=ids, prompt=trace.prompt[ids], output=_max_tokens(trace, params, ids),
+        computed=_cached(params, ids), generated=req.generated[ids],
+        blocks=jnp.zeros(num_slots, i32),  # set by the admitting caller
+        gap=since_last, max_gap=req.max_gap[ids], sum_sq_gap=req.sum_sq_gap[ids], leaving=jnp.zeros(num_slots, bool),
+    )
+    return rows, valid
+
+
+def _max_tokens(trace: Trace, params: EngineParams, ids):
+    """The output tokens requests `ids` ask for, as vLLM's API server cuts them to fit max_model_len."""
+    return jnp.minimum(trace.output[ids], params.max_model_len - trace.prompt[ids])
+
+
+def _lift_rejoining_tenants(state: EngineState) -> EngineState:
+    """VTC's rule at a step boundary where seats are open: a tenant back in the system after none of its
+    requests were at the last such boundary has its counter lifted to the lowest among tenants that stayed
+    (when none stayed, to the highest of all), so time away earns it no credit."""
+    active = state.tenant_in_system > 0
+    stayed = active & state.tenant_active
+    floor = jnp.where(jnp.any(stayed), jnp.min(jnp.where(stayed, state.tenant_tokens, NO_LIMIT)),
+                      jnp.max(state.tenant_tokens))
+    rejoined = active & ~state.tenant_active
+    return replace(state,
+        tenant_tokens=jnp.where(rejoined, jnp.maximum(state.tenant_tokens, floor), state.tenant_tokens),
+        tenant_active=active,
+    )
+
+
+def _static_keys(trace: Trace, params: EngineParams, ids):
+    """The score of requests `ids` without the deficit term, which is all of it that never changes
+    (envs/sim/queue_order.py: time features read at the first arrival). Summed in feature order."""
+    arrival = trace.arrival_rel[ids]
+    features = (-arrival, trace.prompt[ids].astype(f32), trace.predicted_output[ids], trace.priority[ids],
+                None, arrival + trace.ttft_budget[ids])
+    w = params.order_weights
+    key = jnp.zeros(ids.shape, f32)
+    for k, feature in enumerate(features):
+        if feature is not None:
+            key = key + w[k] * feature
+    return key
+
+
+def _deficit_term(params: EngineParams, state: EngineState, tenant):
+    """w_deficit x (the tenant's counter - the lowest among tenants in the system), added last."""
+    active = state.tenant_in_system > 0
+    lowest = jnp.min(jnp.where(active, state.tenant_tokens, NO_LIMIT))
+    return params.order_weights[DEFICIT] * (state.tenant_tokens[tenant] - lowest).astype(f32)
+
+
+def _pool_front(trace: Trace, params: EngineParams, state: EngineState, num_slots: int):
+    """The num_slots best-scored waiting requests as would-be slot rows, which of them exist, and where
+    each sits in the pool (so that admitting them can remove them)."""
+    pool_size = state.queue.shape[0]
+    in_pool = jnp.arange(pool_size, dtype=i32) < state.pool_end   # admitted entries' keys are +inf
+    score = jnp.where(in_pool, state.pool_key + _deficit_term(params, state, state.pool_tenant), jnp.inf)
+    # top_k puts equal values in position order, and the pool is in arrival order: ties go to the earlier.
+    neg_score, at = jax.lax.top_k(-score, num_slots)
+    valid = jnp.arange(num_slots, dtype=i32) < state.queue_len
+    ids = jnp.where(valid, state.queue[at], 0)
+    req = state.requests
+    since_last = df_sub(state.clock_hi, state.clock_lo, req.last_emit_hi[ids], req.last_emit_lo[ids])
+    rows = Slots(
+        req=ids, prompt=trace.prompt[ids], output=_max_tokens(trace, params, ids),
+        computed=_cached(params, ids), generated=req.generated[ids],
+        blocks=jnp.zeros(num_slots, i32),
+        gap=since_last, max_gap=req.max_gap[ids], sum_sq_gap=req.sum_sq_gap[ids], leaving=jnp.zeros(num_slots, bool),
+        tenant=trace.tenant[ids], rank=-neg_score,
+    )
+    return rows, valid, at
+
+
+def _rank_among(x, mask):
+    """For each entry, how many masked entries are smaller (ties by position): the entry's place if the
+    masked ones were sorted. Quadratic in a small array (the slot count)."""
+    k = jnp.arange(x.shape[0])
+    before = (x[None, :] < x[:, None]) | ((x[None, :] == x[:, None]) & (k[None, :] < k[:, None]))
+    return jnp.sum(before & mask[None, :], axis=1, dtype=i32)
+
+
+def _count_below(sorted_values, length, queries):
+    """How many of sorted_values[:length] are < each query (a branch-free binary search)."""
+    size = sorted_values.shape[0]
+    low = jnp.zeros(queries.shape, i32)
+    high = jnp.full(queries.shape, length, i32)
+    for _ in range(max(1, size).bit_length()):
+        middle = (low + high) // 2
+        below = (middle < high) & (sorted_values[jnp.clip(middle, 0, size - 1)] < queries)
+        low = jnp.where(below, middle + 1, low)
+        high = jnp.where(below, high, middle)
+    return low
+
+
+_POOL_FIELDS = ("queue", "pool_key", "pool_tenant", "queue_len", "pool_end", "pool_filled")
+
+
+def _pool_update(state: EngineState, needed, update) -> EngineState:
+    """Apply `update` (pool fields -> pool fields) only when `needed`: it touches the whole pool, which can
+    be long, and is rarely needed. Only the pool goes through the branch, never the request table."""
+    fields = tuple(getattr(state, name) for name in _POOL_FIELDS)
+    return replace(state, **dict(zip(_POOL_FIELDS, jax.lax.cond(needed, update, lambda f: f, fields))))
+
+
+def _make_room(state: EngineState, room: int) -> EngineState:
+    """Compact the pool (drop admitted entries, keep the order) when fewer than `room` entries are free."""
+    return _pool_update(state, state.pool_end + room > state.queue.shape[0], _compacted)
+
+
+def _compacted(fields):
+    queue, key, tenant, queue_len, pool_end, filled = fields
+    pool_size = queue.shape[0]
+    keep = (jnp.arange(pool_size, dtype=i32) < pool_end) & jnp.isfinite(key)
+    target = jnp.where(keep, _exclusive_cumsum(keep.astype(i32)), pool_size)
+    queue, key, tenant = (jnp.zeros_like(field).at[target].set(field, mode="drop") for field in (queue, key, tenant))
+    return queue, key, tenant, queue_len, queue_len, filled
+
+
+def _remove_from_pool(state: EngineState, at, count) -> EngineState:
+    """The admitted (entries at[:count]) leave the queue: their keys become +inf, which no top_k picks, and
+    the next compaction drops them. O(count), however long the pool."""
+    k = jnp.arange(at.shape[0], dtype=i32)
+    return replace(state, pool_key=_set_where(state.pool_key, at, jnp.inf, k < count),
+                   queue_len=state.queue_len - count)
+
+
+def _insert_into_pool(trace, params, state: EngineState, ids, mask) -> EngineState:
+    return _pool_update(state, jnp.any(mask), lambda fields: _inserted(trace, params, fields, ids, mask))
+
+
+def _inserted(trace, params, fields, ids, mask):
+    """Put requests `ids` (where mask, in any order) into the pool at their places in id order."""
+    queue, key, tenant, queue_len, pool_end, filled = fields
+    pool_size = queue.shape[0]
+    count = jnp.sum(mask, dtype=i32)
+    rank = _rank_among(jnp.where(mask, ids, NO_LIMIT), mask)   # place among the inserted
+    sorted_ids = jnp.full(ids.shape, NO_LIMIT, i32).at[jnp.where(mask, rank, ids.shape[0])].set(ids, mode="drop")
+    old = jnp.arange(pool_size, dtype=i32)
+    in_pool = old < pool_end
+    # A victim's own admitted entry may still be in the pool with the same id: the victim goes before it.
+    old_target = old + _count_below(sorted_ids, count, queue + 1)   # inserted ids up to its own come first
+    new_target = rank + _count_below(queue, pool_end, ids)
+    drop = pool_size
+    targets = jnp.concatenate([jnp.where(in_pool, old_target, drop), jnp.where(mask, new_target, drop)])
+    pairs = zip((queue, key, tenant), (ids, _static_keys(trace, params, ids), trace.tenant[ids]))
+    queue, key, tenant = (jnp.zeros_like(old_field).at[targets].set(jnp.concatenate([old_field, new]), mode="drop")
+                          for old_field, new in pairs)
+    return queue, key, tenant, queue_len + count, pool_end + count, filled | (pool_end + count > pool_size)
+
+
+def _cached(params: EngineParams, ids):
+    """Where the prefill of requests `ids` starts: after their cached prefix (envs/sim/prefix_cache.py)."""
+    if params.cached_tokens is None:
+        return jnp.zeros(ids.shape, i32)
+    return params.cached_tokens[ids]
+
+
+def _place_admitted(slots: Slots, start, count, rows: Slots) -> Slots:
+    """Slots [start, start + count) take rows [0, count) of the admitted candidates."""
+    pos = jnp.arange(slots.req.shape[0], dtype=i32)
+    src = jnp.clip(pos - start, 0, pos.shape[0] - 1)
+    take = (pos >= start) & (pos < start + count)
+    return jax.tree_util.tree_map(lambda old, new: jnp.where(take, new[src], old), slots, rows)
+
+
+def _long_prefill_cap(params, num_in_system):
+    """This step's cap on a prefill chunk (0: none). It stops a long prompt starving the others, so vLLM
+    drops it when a single request is in the system (vllm/v1/core/sched/scheduler.py, schedule())."""
+    return jnp.where(num_in_system > 1, params.long_prefill_token_threshold, 0)
+
+
+def _capped_need(need, cap):
+    """A request's wanted tokens this step: all it needs, or the long-prefill cap (which vLLM applies with
+    chunked prefill off too)."""
+    return jnp.where(cap > 0, jnp.minimum(need, cap), need)
+
+
+def _take_from_budget(need, budget_left, params, cap, admitting: bool):
+    """Budgeted passes over requests in order: each takes min(capped need, budget before it).
+
+    Returns the tokens each request takes and whether the pass reaches it (the budget is positive and,
+    for an admission without chunked prefill, its whole capped need fits).
+    """
+    capped = _capped_need(need, cap)
+    budget_before = budget_left - _exclusive_cumsum(capped)
+    fits = budget_before > 0
+    if admitting:
+        fits = fits & (params.chunked_prefill | (capped <= budget_before))
+    return jnp.where(fits, jnp.minimum(capped, budget_before), 0), fits
+
+
+def _static_timeout(trace, params, state, front: Slots):
+    """When the queue's front request will have waited max_wait_s (static batching's start signal)."""
+    return df_add(*_arrival_of(trace, state, front.req[0]), params.max_wait_s)
+
+
+def _form_static_batch(trace, params, state, front: Slots, valid, timeout, num_slots):
+    """Static batching: when idle and the queue is full or old enough, a whole batch starts at once."""
+    rows = front
+    timeout_hi, timeout_lo = timeout
+    trigger = (
+        params.static_batching & (state.num_running == 0) & (state.queue_len > 0)
+        & ((state.queue_len >= params.batch_size) | df_le(timeout_hi, timeout_lo, state.clock_hi, state.clock_lo))
+    )
+    blocks = _ceil_div(rows.prompt + rows.generated, params.block_size)
+    k = jnp.arange(num_slots, dtype=i32)
+    watermark = jnp.where(k > 0, params.watermark_blocks, 0)   # as admissions: headroom for those already in
+    fits = state.free_blocks - jnp.cumsum(jnp.where(valid, blocks, 0)) >= watermark
+    take = _prefix_and(valid & (k < params.batch_size) & fits) & trigger
+    count = jnp.sum(take, dtype=i32)
+    rows = replace(rows, blocks=blocks)
+    state = replace(state,
+        slots=_place_admitted(state.slots, state.num_running, count, rows),
+        num_running=state.num_running + count,
+        free_blocks=state.free_blocks - jnp.sum(jnp.where(take, blocks, 0)),
+    )
+    return _pop_front(trace, state, count), count
+
+
+def _pop_front(trace, state: EngineState, count) -> EngineState:
+    """The fcfs ring's first `count` leave it. (A scored pool ignores this: it removes its admitted by
+    position once per iteration, in `_remove_from_pool`.)"""
+    if state.slots.rank is not None:
+        return state
+    return replace(state, queue_head=(state.queue_head + count) % trace.prompt.shape[0],
+                   queue_len=state.queue_len - count)
+
+
+def _running_pass(params, state, num_slots, cap):
+    """Running requests first: budget, block allocation, and preemption of the last-admitted.
+
+    Processing position i needs the blocks E_i (cumulative over positions <= i). If fewer are free,
+    requests are preempted from the back until free + (blocks held by positions >= end) >= E_i; so
+    the running set's end after position i is the largest `end` satisfying that, and the request
+    preempts itself when end <= i.
+    """
+    s = state.slots
+    pos = jnp.arange(num_slots, dtype=i32)
+    running = pos < state.num_running
+    need = jnp.where(s.leaving, 0, s.prompt + s.generated - s.computed)   # a leaving request is passed over
+    tokens, fits_budget = _take_from_budget(jnp.where(running, need, 0), params.max_num_batched_tokens, params, cap,
+                                            admitting=False)
+    in_pass = running & fits_budget
+    extra = jnp.where(in_pass, jnp.maximum(_ceil_div(s.computed + tokens, params.block_size) - s.blocks, 0), 0)
+    demand = jnp.cumsum(extra)
+    held = jnp.where(running, s.blocks, 0)
+    held_from = jnp.concatenate([jnp.cumsum(held[::-1])[::-1], jnp.zeros(1, i32)])  # held by positions >= p
+    shortfall = demand - state.free_blocks
+    # held_from is non-increasing, so "positions p >= 1 with held_from[p] >= shortfall" is a prefix whose
+    # length a binary search finds (an all-pairs comparison costs slots^2 per step).
+    end_after = jnp.minimum(state.num_running,
+                            jnp.searchsorted(-held_from[1:], -shortfall, side="right", method="scan_unrolled"))
+    scheduled = _prefix_and(in_pass & (end_after > pos))
+    count = jnp.sum(scheduled, dtype=i32)
+    last = jnp.maximum(count - 1, 0)
+    end_before_stop = jnp.where(count > 0, end_after[last], state.num_running)
+    at_stop = jnp.minimum(count, num_slots - 1)
+    # The pass stopped at `count` either for the budget (nothing more preempted) or because the
+    # allocation there failed, which preempts every request from the back down to `count` itself.
+    allocation_failed = (count < state.num_running) & in_pass[at_stop] & (end_after[at_stop] <= count)
+    end = jnp.where(allocation_failed, jnp.minimum(end_before_stop, count), end_before_stop)
+    free = state.free_blocks + held_from[end] - jnp.where(count > 0, demand[last], 0)
+    tokens = jnp.where(scheduled, tokens, 0)
+    slots = replace(s, blocks=s.blocks + jnp.where(scheduled, extra, 0))
+    preempted = running & (pos >= end)
+    return slots, tokens, preempted, end, free
+
+
+def _running_pass_by_score(params, state, num_slots, cap):
+    """A scored queue's running pass, vLLM's priority policy: the running set stays in admission order and a
+    failed allocation preempts the worst-scored running request, ``max(running, key=(priority, arrival))``
+    (vllm/v1/core/sched/scheduler.py) -- wherever it is: one already scheduled this step gives its tokens back
+    to the budget, and one that preempts itself lets the pass go on to the better ones after it.
+
+    Returns the slots with their new blocks, the tokens per slot, the preempted mask and the free blocks.
+    Without a preemption the fcfs pass's prefix computation is exact; with one, the pass runs a request (or
+    a preemption) at a time.
+    """
+    fcfs_slots, fcfs_tokens, fcfs_preempted, _, fcfs_free = _running_pass(params, state, num_slots, cap)
+    s = state.slots
+    pos = jnp.arange(num_slots, dtype=i32)
+    running = pos < state.num_running
+
+    def unfinished(carry):
+        at, budget = carry[:2]
+        return (at < state.num_running) & (budget > 0)
+
+    def one(carry):
+        at, budget, free, removed, tokens, extra, asked = carry
+        need = jnp.where(s.leaving[at], 0, s.prompt[at] + s.generated[at] - s.computed[at])
+        # vLLM sizes the request's share once and retries its allocation with it after each preemption,
+        # even when a victim's tokens came back to the budget.
+        take = jnp.where(asked >= 0, asked, jnp.minimum(_capped_need(need, cap), budget))
+        needed = jnp.maximum(_ceil_div(s.computed[at] + take, params.block_size) - s.blocks[at], 0)
+        alive = running & ~removed
+        worst = jnp.max(jnp.where(alive, s.rank, -jnp.inf))
+        victim = jnp.argmax(jnp.where(alive & (s.rank == worst), s.req, -1)).astype(i32)
+        acts = ~removed[at]
+        schedule = acts & (needed <= free)
+        preempt = acts & (needed > free)
+        returned_tokens, returned_blocks = tokens[victim], s.blocks[victim] + extra[victim]
+        tokens = jnp.where(schedule, tokens.at[at].set(take), jnp.where(preempt, tokens.at[victim].set(0), tokens))
+        extra = jnp.where(schedule, extra.at[at].set(needed), jnp.where(preempt, extra.at[victim].set(0), extra))
+        free = free - jnp.where(schedule, needed, 0) + jnp.where(preempt, returned_blocks, 0)
+        budget = budget - jnp.where(schedule, take, 0) + jnp.where(preempt, returned_tokens, 0)
+        removed = jnp.where(preempt, removed.at[victim].set(True), removed)
+        moves_on = removed[at] | schedule | (preempt & (victim == at))
+        return (at + moves_on.astype(i32), budget, free, removed, tokens, extra,
+                jnp.where(moves_on, -1, take).astype(i32))
+
+    zeros = jnp.zeros(num_slots, i32)
+    sequential = jnp.any(fcfs_preempted)
+    start = (jnp.where(sequential, 0, num_slots), params.max_num_batched_tokens, state.free_blocks,
+             jnp.zeros(num_slots, bool), zeros, zeros, jnp.asarray(-1, i32))
+    _, _, free, removed, tokens, extra, _ = jax.lax.while_loop(unfinished, one, start)
+    slots = replace(s, blocks=jnp.where(sequential, s.blocks + extra, fcfs_slots.blocks))
+    return (slots, jnp.where(sequential, tokens, fcfs_tokens), jnp.where(sequential, removed & running, fcfs_preempted),
+            jnp.where(sequential, free, fcfs_free))
+
+
+def _kept(slots: Slots, tokens, keep):
+    """The slots where `keep` (with their tokens), moved to the front in order, and how many there are."""
+    num_slots = keep.shape[0]
+    slots, source = _kept_slots(slots, keep, num_slots)
+    return slots, jnp.where(source < num_slots, tokens[jnp.minimum(source, num_slots - 1)], 0), jnp.sum(keep, dtype=i32)
+
+
+def _kept_slots(slots: Slots, keep, num_slots: int) -> tuple[Slots, jnp.ndarray]:
+    """The slots where `keep`, moved to the front in order (the rest zeroed), and for each new place the old
+    one it came from (num_slots: none). One scatter finds each kept slot's new place; every field then moves
+    by the same gather, which XLA fuses, where a scatter per field is a kernel per field."""
+    pos = jnp.arange(num_slots, dtype=i32)
+    target = jnp.where(keep, _exclusive_cumsum(keep.astype(i32)), num_slots)
+    source = jnp.full(num_slots, num_slots, i32).at[target].set(pos, mode="drop")
+    kept = source < num_slots
+    moved = jax.tree_util.tree_map(
+        lambda x: jnp.where(kept, x[jnp.minimum(source, num_slots - 1)], jnp.zeros((), x.dtype)), slots)
+    return moved, source
+
+
+def _requeue_preempted(trace, params, state, slots, preempted, num_slots):
+    """Victims go to the front of the fcfs queue in admission order (into a scored pool at their places),
+    keeping what they emitted. A leaving victim has completed (vLLM delivers its last token as stale output
+    and finishes it from the queue): it only counts the preemption.
+
+    `preempted` must already be False everywhere in an iteration that does not step the engine: the
+    queue and request table are only ever written through masked scatters, never selected whole. The
+    ring itself is written by `_write_queue`; here only its head moves.
+    """
+    n = trace.prompt.shape[0]
+    requeued = preempted & ~slots.leaving
+    count = jnp.sum(requeued, dtype=i32)
+    if slots.rank is None:
+        state = replace(state, queue_head=(state.queue_head - count) % n, queue_len=state.queue_len + count)
+    else:
+        state = _insert_into_pool(trace, params, state, slots.req, requeued)
+    last_hi, last_lo = df_add(state.clock_hi, state.clock_lo, -slots.gap)
+    req = state.requests
+    req = replace(req,
+        generated=_set_where(req.generated, slots.req, slots.generated, requeued),
+        preemptions=req.preemptions.at[jnp.where(preempted, slots.req, n)].add(1, mode="drop"),
+        max_gap=_set_where(req.max_gap, slots.req, slots.max_gap, requeued),
+        sum_sq_gap=_set_where(req.sum_sq_gap, slots.req, slots.sum_sq_gap, requeued),
+        last_emit_hi=_set_where(req.last_emit_hi, slots.req, last_hi, requeued),
+        last_emit_lo=_set_where(req.last_emit_lo, slots.req, last_lo, requeued),
+    )
+    return replace(state, requests=req)
+
+
+def _write_queue(trace, queue, arrived: Arrived, victims, requeued, victims_head):
+    """The iteration's one write to the ring, after every read of it: arrivals at the back (from where
+    the back was before them) and the requeued preemption victims at the front, in admission order.
+
+    One scatter, not two: the victims depend on the iteration's read of the queue front, so XLA orders
+    the write after that read and updates the ring in place. (A separate arrivals scatter has no such
+    dependence, and XLA would copy the whole ring every iteration to keep the read safe.)
+    """
+    n = trace.prompt.shape[0]
+    r = jnp.arange(ARRIVALS_PER_ITERATION, dtype=i32)
+    where = jnp.concatenate([(arrived.tail + r) % n, (victims_head + _exclusive_cumsum(requeued.astype(i32))) % n])
+    what = jnp.concatenate([arrived.ids, victims])
+    write = jnp.concatenate([r < arrived.count, requeued])
+    return _set_where(queue, where, what, write)
+
+
+def _waiting_pass(trace, params, state, front: Slots, valid, slots, budget_left, free, allowed, num_slots, cap):
+    """Continuous batching admits from the queue front while seats, budget and blocks allow.
+
+    An admission takes the blocks of the chunk it schedules (its cached prefix included); with
+    reserve_full_prompt it must also find room for its whole prompt, which it does not hold (vLLM's
+    scheduler_reserve_full_isl). The watermark keeps headroom only once something runs. Only runs when
+    nothing was preempted, so the front is the one read at the start of the iteration.
+    """
+    rows = front
+    k = jnp.arange(num_slots, dtype=i32)
+    need = rows.prompt + rows.generated
+    tokens, fits_budget = _take_from_budget(jnp.where(valid, need - rows.computed, 0), budget_left, params, cap,
+                                            admitting=True)
+    blocks = jnp.where(valid, _ceil_div(rows.computed + tokens, params.block_size), 0)
+    free_before = free - _exclusive_cumsum(blocks)
+    watermark = jnp.where(state.num_running + k > 0, params.watermark_blocks, 0)
+    whole_prompt_fits = ~params.reserve_full_prompt | (_ceil_div(need, params.block_size) + watermark <= free_before)
+    fits_blocks = whole_prompt_fits & (blocks + watermark <= free_before)
+    seats = (state.num_running + k < params.max_num_seqs) & (state.num_running + k < num_slots)
+    admit = _prefix_and(valid & seats & fits_budget & fits_blocks) & allowed
+    count = jnp.sum(admit, dtype=i32)
+    rows = replace(rows, blocks=blocks)
+    slots = _place_admitted(slots, state.num_running, count, rows)
+    # Candidate k now sits in slot num_running + k; slot p takes candidate p - num_running's tokens.
+    admitted_tokens = jnp.where((k >= state.num_running) & (k < state.num_running + count),
+                                tokens[jnp.clip(k - state.num_running, 0, num_slots - 1)], 0)
+    state = _pop_front(trace, state, count)
+    return state, slots, admitted_tokens, count, free - jnp.sum(jnp.where(admit, blocks, 0))
+
+
+# ---------------------------------------------------------------------------------------------
+# Executing scheduled steps
+# ---------------------------------------------------------------------------------------------
+def _batch_summary(slots: Slots, tokens):
+    """The StepBatch of the scheduled step, and which scheduled requests count as decodes."""
+    scheduled = tokens > 0
+    is_decode = scheduled & (tokens == 1) & (slots.generated >= 1)
+    is_prefill = scheduled & ~is_decode
+    c = slots.computed.astype(f32)
+    q = tokens.astype(f32)
+    return StepBatch(
+        num_prefill_seqs=jnp.sum(is_prefill).astype(f32),
+        prefill_tokens=jnp.sum(jnp.where(is_prefill, q, 0.0)),
+        prefill_context_tokens=jnp.sum(jnp.where(is_prefill, c + q, 0.0)),
+        prefill_attention_pairs=jnp.sum(jnp.where(is_prefill, q * (c + q / 2), 0.0)),
+        num_decode_seqs=jnp.sum(is_decode).astype(f32),
+        decode_context_tokens=jnp.sum(jnp.where(is_decode, c + 1, 0.0)),
+    )
+
+
+def _suffix_sums(x):
+    """Along axis 0: entry j is the sum of entries j, j + 1, ..."""
+    return jnp.cumsum(x[::-1], axis=0)[::-1]
+
+
+def _strided_sums(x, stride):
+    """out[t] = x[t] + x[t - stride] + x[t - 2 stride] + ... (a traced stride >= 1), by doubling: after
+    round r each entry holds 2**r terms. (A mask over all pairs costs length**2 per call.)"""
+    n = x.shape[0]
+    shift = stride
+    for _ in range(max(1, n - 1).bit_length()):
+        padded = jnp.concatenate([jnp.zeros(n, x.dtype), x])
+        x = x + jax.lax.dynamic_slice(padded, (n - jnp.minimum(shift, n),), (n,))
+        shift = shift * 2
+    return x
+
+
+def _seats_closed(params, num_running):
+    """Nobody can be admitted: every seat or the whole budget is taken, or a static batch runs."""
+    return (params.static_batching | (num_running >= params.max_num_seqs)
+            | (params.max_num_batched_tokens <= num_running))
+
+
+def _advance(trace, params, state, slots, tokens, cost_fn, num_slots, front_blocks=None):
+    """Run the scheduled step, then the steps that follow it before any event.
+
+    After the scheduled step (step 0) the next steps repeat its shape while every running request fits
+    the token budget and decodes -- except perhaps the last admitted, still prefilling in chunks: step
+    j >= 1 decodes every request with j or more tokens still to emit, each context one token longer than
+    at step j - 1, and gives the prefilling request the budget they leave (capped by the long-prefill
+    threshold) until its prompt is done. A completion changes nothing the scheduler acts on unless it
+    opens a seat for a waiting request (or, with sessions or a scored queue, changes what the next
+    boundary sees), so the run goes through the others. It stops before the step at whose boundary a
+    request could be admitted (one waits, or has arrived, and a seat and budget are free), after the
+    prefilling request's last chunk, at the horizon, when the KV cache could not hold the step, or after
+    LOOKAHEAD_STEPS. With nothing scheduled (all `tokens` zero) it writes nothing to the request table or
+    histogram.
+    """
+    pos = jnp.arange(num_slots, dtype=i32)
+    running = pos < state.num_running
+    scheduled = tokens > 0
+    num_running = state.num_running
+    budget = params.max_num_batched_tokens
+
+    # Step 0, the scheduled step.
+    emits0 = scheduled & (slots.computed + tokens == slots.prompt + slots.generated)
+    computed0 = slots.computed + tokens
+    generated0 = slots.generated + emits0
+
+    # Steps 1.. A decode needs one token and has emitted before (a prompt's last token is a prefill chunk).
+    decoding = (computed0 + 1 == slots.prompt + generated0) & (generated0 >= 1)
+    prefilling = running & ~decoding
+    last = jnp.maximum(num_running - 1, 0)
+    has_prefill = jnp.any(prefilling)
+    # With several prefilling, or one with requests after it in the budget's order, the shape changes.
+    prefill_repeats = params.chunked_prefill & (jnp.sum(prefilling) == 1) & prefilling[last]
+    # No look-ahead follows a step that schedules nothing (an iteration that is not stepping the engine):
+    # its histogram and request-table writes are kept whichever outcome the iteration chooses.
+    continues = jnp.any(scheduled) & (~has_prefill | prefill_repeats) & (num_running <= budget)
+    is_prefill = prefill_repeats & (pos == last)   # the request prefilling through the run, if any
+    # Requests that left as this step was scheduled (async) take no part: dropped at the end.
+    left_before = running & slots.leaving
+    decoder = running & ~is_prefill & ~left_before
+    j = jnp.arange(LOOKAHEAD_STEPS, dtype=i32)
+    zero = j == 0
+    left = slots.output - generated0                       # tokens to emit after step 0 (0: it finished there)
+    # Decoders by what they have left (capped: j never exceeds the look-ahead), then, for step j, the count,
+    # contexts and blocks of those that take part in it: a suffix sum over what they have left.
+    left_bin = jnp.where(decoder, jnp.minimum(left, LOOKAHEAD_STEPS - 1), LOOKAHEAD_STEPS)
+    by_left = jnp.zeros((LOOKAHEAD_STEPS, 3), i32).at[left_bin].add(
+        jnp.stack([jnp.ones_like(computed0), computed0, slots.blocks], axis=1), mode="drop")
+    taking_part = _suffix_sums(by_left)
+    decodes, contexts, held = taking_part[:, 0], taking_part[:, 1], taking_part[:, 2]
+    # Async: at the boundary before step j the requests step j - 1 completed are still seated and hold blocks.
+    seated, held = (jnp.where(params.pipelined, jnp.concatenate([x[:1], x[:-1]]), x) for x in (decodes, held))
+
+    # The prefilling request takes min(threshold, budget the decodes leave) per step until its need is met;
+    # the threshold binds only while another request is in the system (_long_prefill_cap).
+    need = slots.prompt[last] + generated0[last] - computed0[last]
+    lone = (seated == 0) & (state.queue_len == 0)
+    cap = jnp.where((params.long_prefill_token_threshold > 0) & ~lone, params.long_prefill_token_threshold, NO_LIMIT)
+    offered = jnp.where(zero | ~prefill_repeats, 0, jnp.minimum(cap, budget - decodes))
+    chunked_before = _exclusive_cumsum(offered)
+    chunk = jnp.clip(need - chunked_before, 0, offered)
+    in_prefill = prefill_repeats & ~zero & (chunked_before < need)     # it takes part in step j
+    past_prefill = prefill_repeats & ~zero & (chunked_before >= need)  # it would decode: a new shape
+    prefill_context = (computed0[last] + chunked_before).astype(f32)
+    q = chunk.astype(f32)
+    # A one-token chunk of a request that has emitted counts as a decode (the reference's rule).
+    chunk_is_decode = in_prefill & (chunk == 1) & (generated0[last] >= 1)
+    chunk_is_prefill = in_prefill & ~chunk_is_decode
+    members = decodes + in_prefill                         # requests in step j (j >= 1)
+    # It holds the blocks of what it has computed, growing chunk by chunk.
+    prefill_blocks = jnp.where(prefill_repeats & ~zero, jnp.maximum(
+        slots.blocks[last], _ceil_div(computed0[last] + chunked_before + chunk, params.block_size)), slots.blocks[last])
+    held = held + jnp.where(prefill_repeats, prefill_blocks, 0)
+
+    first = _batch_summary(slots, tokens)
+    batch = StepBatch(
+        num_prefill_seqs=jnp.where(zero, first.num_prefill_seqs, chunk_is_prefill.astype(f32)),
+        prefill_tokens=jnp.where(zero, first.prefill_tokens, jnp.where(chunk_is_prefill, q, 0.0)),
+        prefill_context_tokens=jnp.where(zero, first.prefill_context_tokens,
+                                         jnp.where(chunk_is_prefill, prefill_context + q, 0.0)),
+        prefill_attention_pairs=jnp.where(zero, first.prefill_attention_pairs,
+                                          jnp.where(chunk_is_prefill, q * (prefill_context + q / 2), 0.0)),
+        num_decode_seqs=jnp.where(zero, first.num_decode_seqs, (decodes + chunk_is_decode).astype(f32)),
+        decode_context_tokens=jnp.where(zero, first.decode_context_tokens,
+                                        (contexts + j * decodes).astype(f32)
+                                        + jnp.where(chunk_is_decode, prefill_context + 1, 0.0)),
+    )
+    durations = jnp.broadcast_to(cost_fn(params.cost, batch), j.shape).astype(f32)
+    ends = jnp.cumsum(durations)
+    starts = ends - durations
+    next_hi, next_lo, next_exists = _next_arrival(trace, state)
+    to_arrival = jnp.where(next_exists, df_sub(next_hi, next_lo, state.clock_hi, state.clock_lo), jnp.inf)
+    to_horizon = df_sub(params.horizon_hi, params.horizon_lo, state.clock_hi, state.clock_lo)
+    # Whatever arrives, nobody is admitted while every seat or the whole budget is taken; then arrivals need
+    # not end the run either: while nothing leaves the queue, processing them at the run's end decides the
+    # same rejections. A closed-loop call must be processed at the first boundary after it regardless (a
+    # rejection releases the session's next call from then), and a completion there releases a call this
+    # run does not know of; a scored queue's tenant counters read every boundary with an open seat.
+    # Async: the decision before step j sees arrivals up to step j - 1's start, and seats what step j - 1 completed.
+    arrived = jnp.where(params.pipelined, jnp.concatenate([starts[:1], starts[:-1]]), starts) >= to_arrival
+    seat = ~_seats_closed(params, seated + in_prefill)
+    open_seat = seat & (decodes + jnp.where(in_prefill, chunk, 0) < budget)   # and budget left to admit with
+    # An arrival that finds a lone prefill makes the threshold bind from the next step; one that meets a
+    # queue limit is judged by the unfinished requests of its own boundary, which completions change.
+    limited = params.max_num_queued_reqs < NO_LIMIT
+    # An fcfs queue whose front needs more blocks (`front_blocks`, watermark included) than can be free admits
+    # nobody, whatever arrives behind it: the requests in step j hold at least `held[j]`.
+    front_waits = False if front_blocks is None else (
+        (state.queue_len > 0) & (params.usable_kv_blocks - held < front_blocks))
+    admits = ((open_seat & ((state.queue_len > 0) | arrived) & ~front_waits)
+              | (arrived & ((lone & prefill_repeats) | limited)))
+    if trace.think is not None:
+        admits = admits | arrived | (members < num_running)
+    elif slots.rank is not None:
+        # (The counters' rule reads seats, not budget: _lift_rejoining_tenants.)
+        admits = admits | (seat & (arrived | (members < num_running)))
+    # Step j >= 1 needs blocks for computed0 + j tokens per decoder taking part (and the prefilling request's
+    # so far). One with `spare` free token positions in its blocks gains new ones at steps
+    # spare + 1, spare + 1 + block_size, ...: so the gains at step t are the first gains at t,
+    # t - block_size, ..., counted over look-ahead-sized arrays whatever the slot count. Counting every
+    # decoder's gains bounds the need of those taking part (some finish first); stopping where the bound
+    # says is exact (the next iteration schedules that step in full) and only ends a run early when the
+    # cache is nearly full.
+    spare = slots.blocks * params.block_size - computed0
+    first_gain = jnp.zeros(LOOKAHEAD_STEPS, i32).at[jnp.where(decoder, spare + 1, LOOKAHEAD_STEPS)].add(1, mode="drop")
+    need_bound = held + jnp.cumsum(_strided_sums(first_gain, params.block_size))
+    repeatable = zero | (continues & (members > 0) & ~admits & ~past_prefill & (starts < to_horizon)
+                         & (need_bound <= params.usable_kv_blocks))
+    run = _prefix_and(repeatable)
+    k = jnp.sum(run, dtype=i32)
+    extra = k - 1
+    total = ends[extra]
+    later_steps = run & ~zero
+    prefilled = jnp.sum(jnp.where(later_steps, chunk, 0))
+    prefill_emits = prefill_repeats & (extra > 0) & (prefilled == need)   # its last chunk was step `extra`
+    first_end = df_add(state.clock_hi, state.clock_lo, durations[0])
+    end_hi, end_lo = df_add(state.clock_hi, state.clock_lo, total)
+    grow = jnp.where(decoder, jnp.minimum(left, extra), 0)   # the decode steps after step 0 each takes
+    through = jnp.where(is_prefill, extra, grow)              # the last step each takes part in
+    finish_hi, finish_lo = df_add(state.clock_hi, state.clock_lo, ends[through])
+
+    # Inter-token gaps: at step 0 for requests that emit and had emitted before, and at the prefilling
+    # request's last chunk; at step 1 for every decoder taking part; from step 2 on, each step's duration,
+    # once per decoder taking part.
+    had_token = slots.generated >= 1
+    gap0 = jnp.where(emits0, 0.0, slots.gap + durations[0])
+    emitted = (emits0 & ~is_prefill) | (is_prefill & prefill_emits)
+    sample0 = slots.gap + jnp.where(is_prefill, total, durations[0])   # prefilling: the whole run
+    weight0 = (emitted & had_token).astype(i32)
+    sample1 = gap0 + durations[1]
+    weight1 = (grow > 0).astype(i32)
+    from_two = (j >= 2) & run
+    later = jnp.where(from_two, durations, 0.0)
+    max_rest, sq_rest = jax.lax.cummax(later)[grow], jnp.cumsum(later * later)[grow]
+    max_gap = jnp.where(weight0 > 0, jnp.maximum(slots.max_gap, sample0), slots.max_gap)
+    max_gap = jnp.where(weight1 > 0, jnp.maximum(max_gap, jnp.maximum(sample1, max_rest)), max_gap)
+    sum_sq = (slots.sum_sq_gap + jnp.where(weight0 > 0, sample0 * sample0, 0.0)
+              + jnp.where(weight1 > 0, sample1 * sample1 + sq_rest, 0.0))
+    hist = state.itl_histogram.at[_itl_bin(sample0)].add(weight0)
+    hist = hist.at[_itl_bin(sample1)].add(weight1)
+    hist = hist.at[_itl_bin(durations)].add(jnp.where(from_two, decodes, 0))
+
+    prefill_tokens = jnp.where(is_prefill, prefilled, 0)
+    computed = computed0 + grow + prefill_tokens
+    generated = generated0 + grow + (is_prefill & prefill_emits)
+    blocks0 = slots.blocks
+    blocks = jnp.where((grow > 0) | is_prefill, jnp.maximum(blocks0, _ceil_div(computed, params.block_size)), blocks0)
+    finished = running & ~left_before & (generated >= slots.output)
+    gap = jnp.where(is_prefill, jnp.where(prefill_emits, 0.0, sample0), jnp.where(grow > 0, 0.0, gap0))
+    slots = replace(slots,
+        computed=computed, generated=generated, blocks=blocks,
+        gap=gap, max_gap=max_gap, sum_sq_gap=sum_sq)
+
+    req = state.requests
+    arrival_hi, arrival_lo = _arrival_of(trace, state, slots.req)
+    first_token = emitted & ~had_token
+    token_hi = jnp.where(is_prefill, finish_hi, first_end[0])
+    token_lo = jnp.where(is_prefill, finish_lo, first_end[1])
+    req = replace(req,
+        ttft=_set_where(req.ttft, slots.req, df_sub(token_hi, token_lo, arrival_hi, arrival_lo), first_token),
+        e2el=_set_where(req.e2el, slots.req, df_sub(finish_hi, finish_lo, arrival_hi, arrival_lo), finished),
+        status=_set_where(req.status, slots.req, COMPLETED, finished),
+        generated=_set_where(req.generated, slots.req, generated, finished),
+        max_gap=_set_where(req.max_gap, slots.req, max_gap, finished),
+        sum_sq_gap=_set_where(req.sum_sq_gap, slots.req, sum_sq, finished),
+    )
+
+    if slots.rank is not None:
+        is_decode0 = scheduled & (tokens == 1) & had_token
+        chunk_service = jnp.sum(jnp.where(later_steps & in_prefill,
+                                          jnp.where(chunk_is_decode, DECODE_TOKEN_WEIGHT, PREFILL_TOKEN_WEIGHT * chunk), 0))
+        service = (jnp.where(is_decode0, DECODE_TOKEN_WEIGHT, PREFILL_TOKEN_WEIGHT * tokens)
+                   + DECODE_TOKEN_WEIGHT * grow + jnp.where(is_prefill, chunk_service, 0))
+        # A request the last step completes is still in the system for the next (async) decision.
+        in_system_still = params.pipelined & (through == extra)
+        state = replace(state,
+            tenant_tokens=state.tenant_tokens.at[slots.tenant].add(jnp.where(running, service, 0)),
+            tenant_in_system=state.tenant_in_system.at[slots.tenant].add(-(finished & ~in_system_still).astype(i32)),
+        )
+
+    # Integrals over each step use the state after its allocation and before completions free anything.
+    # A request holding b blocks at step 0 that gains its m-th new one at step t_m = spare + 1 + (m - 1) x
+    # block_size holds, over steps 0..through, b x ends[through] + the sum over m of (ends[through] -
+    # ends[t_m - 1]) block-seconds; the ends at t_m - 1 are a strided sum, read off `strided` (strided[x] =
+    # the sum of ends[x], ends[x - block_size], ...).
+    new_blocks = blocks - blocks0
+    strided = _strided_sums(ends, params.block_size)
+    last_gain = jnp.clip(spare + (new_blocks - 1) * params.block_size, 0, LOOKAHEAD_STEPS - 1)
+    before_first = spare - params.block_size
+    gained_at = (strided[last_gain]
+                 - jnp.where(before_first >= 0, strided[jnp.clip(before_first, 0, LOOKAHEAD_STEPS - 1)], 0.0))
+    block_seconds = blocks.astype(f32) * ends[through] - jnp.where(new_blocks > 0, gained_at, 0.0)
+    prefill_block_seconds = jnp.sum(jnp.where(run, prefill_blocks.astype(f32) * durations, 0.0))
+    block_seconds = jnp.where(is_prefill, prefill_block_seconds, block_seconds)
+    kv_seconds = jnp.sum(jnp.where(running & ~left_before, block_seconds, 0.0))
+    in_step = jnp.where(zero, num_running - jnp.sum(left_before, dtype=i32), members)
+    in_system = (state.queue_len.astype(f32) * total
+                 + jnp.sum(jnp.where(run, in_step.astype(f32) * durations, 0.0)))
+
+    # Compact: drop finished requests, keep admission order. Async: those the last step completed stay seated
+    # for the next boundary's decision, which was taken as that step started.
+    leaving = finished & params.pipelined & (through == extra)
+    keep = running & ~left_before & (~finished | leaving)
+    if trace.think is not None:
+        state = _release_next_calls(trace, state, slots.req, finished, finished, (finish_hi, finish_lo))
+    slots, _ = _kept_slots(replace(slots, leaving=leaving), keep, num_slots)
+    cutoff_hi, cutoff_lo = df_add(end_hi, end_lo, -durations[extra])
+    return replace(state,
+        clock_hi=end_hi, clock_lo=end_lo,
+        slots=slots, num_running=jnp.sum(keep, dtype=i32),
+        free_blocks=params.usable_kv_blocks - jnp.sum(jnp.where(keep, blocks, 0)), requests=req,
+        pipelined_now=params.pipelined, cutoff_hi=cutoff_hi, cutoff_lo=cutoff_lo,
+        steps=state.steps + k,
+        scheduled_seqs=state.scheduled_seqs + jnp.sum(scheduled, dtype=i32) + jnp.sum(jnp.where(later_steps, members, 0)),
+        kv_block_seconds=state.kv_block_seconds + kv_seconds,
+        in_system_seconds=state.in_system_seconds + in_system,
+        itl_histogram=hist,
+    )
+
+
+def _idle(trace, params, state, timeout):
+    """Nothing to schedule: jump to the next arrival, static-batch timeout or horizon; or end."""
+    next_hi, next_lo, next_exists = _next_arrival(trace, state)
+    candidates_hi = [next_hi, params.horizon_hi]
+    candidates_lo = [next_lo, params.horizon_lo]
+    exists = [next_exists, jnp.asarray(False)]
+    t_hi, t_lo = timeout
+    candidates_hi.append(t_hi)
+    candidates_lo.append(t_lo)
+    exists.append(params.static_batching & (state.num_running == 0) & (state.queue_len > 0))
+    # The horizon bounds a jump to any other event; with no other event the run simply ends.
+    exists[1] = jnp.isfinite(params.horizon_hi) & (exists[0] | exists[2])
+    hi, lo, ok = jnp.stack(candidates_hi), jnp.stack(candidates_lo), jnp.stack(exists)
+    delta = jnp.where(ok, df_sub(hi, lo, state.clock_hi, state.clock_lo), jnp.inf)
+    choice = jnp.argmin(delta)
+    any_event = jnp.any(ok)
+    jump = jnp.where(any_event, delta[choice], 0.0)
+    return replace(state,
+        clock_hi=jnp.where(any_event, hi[choice], state.clock_hi),
+        clock_lo=jnp.where(any_event, lo[choice], state.clock_lo),
+        in_system_seconds=state.in_system_seconds + state.queue_len.astype(f32) * jump,
+        ended=~any_event,
+    )
+
+
+# Fields of EngineState sized by the workload or the histogram. They are written only through masked
+# scatters; every other field is small and chosen between the step and idle outcomes with a select.
+_LARGE_FIELDS = ("queue", "pool_key", "pool_tenant", "requests", "itl_histogram")
+
+
+def _choose(pred, if_true: EngineState, if_false: EngineState) -> EngineState:
+    small = {
+        f: jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), getattr(if_true, f), getattr(if_false, f))
+        for f in if_true.__dataclass_fields__ if f not in _LARGE_FIELDS
+    }
+    return replace(if_true, **small)
+
+
+def _flush_running(state: EngineState) -> EngineState:
+    """Requests still running when the run stops keep what they emitted (they are unfinished)."""
+    s = state.slots
+    running = jnp.arange(s.req.shape[0]) < state.num_running
+    req = state.requests
+    req = replace(req,
+        generated=_set_where(req.generated, s.req, s.generated, running),
+        max_gap=_set_where(req.max_gap, s.req, s.max_gap, running),
+        sum_sq_gap=_set_where(req.sum_sq_gap, s.req, s.sum_sq_gap, running),
+    )
+    return replace(state, requests=req)
+
+
+def _live(state: EngineState, params: EngineParams):
+    return ~state.ended & (state.iterations < params.max_iterations)
+
+
+def run(trace: Trace, params: EngineParams, cost_fn: Callable, num_slots: int,
+        queue_shape: Optional[QueueShape] = None) -> EngineState:
+    """Simulate the whole workload; pure, so it can be jitted. ``queue_shape`` None is the fcfs queue."""
+    state = init_state(trace, params, num_slots, queue_shape)
+    state = jax.lax.while_loop(
+        lambda s: _live(s, params),
+        lambda s: _iteration(trace, params, s, cost_fn, num_slots, queue_shape is not None),
+        state,
+    )
+    return _flush_running(state)
+
+
+def run_from(trace: Trace, params: EngineParams, state: EngineState, cost_fn: Callable, num_slots: int,
+             queue_shape: Optional[QueueShape] = None) -> EngineState:
+    """Continue a run from `state` under (possibly new) `params` until it ends again: at `params`' horizon
+    (every step that starts before it runs), or when nothing is left to come. Controllers step a run this
+    way, an interval at a time, changing knobs in between; the state stays resumable (nothing is flushed).
+    """
+    state = replace(state, ended=jnp.asarray(False))
+    return jax.lax.while_loop(
+        lambda s: _live(s, params),
+        lambda s: _iteration(trace, params, s, cost_fn, num_slots, queue_shape is not None),
+        state,
+    )
+
+
+# An interval's run first tries a slot table this small (when the runs' tables are larger): most intervals
+# never hold more requests at once, and the engine's cost per iteration grows with the table.
+INTERVAL_FIRST_SLOTS = 64
+
+
+def _slots_resized(state: EngineState, size: int) -> EngineState:
+    """The slot table cut or zero-padded to `size` rows (the last axis: runs may be batched). Rows from
+    num_running on are zeros, so cutting rows past it and padding them back loses nothing."""
+    def resize(x):
+        have = x.shape[-1]
+        if size <= have:
+            return x[..., :size]
+        return jnp.concatenate([x, jnp.zeros(x.shape[:-1] + (size - have,), x.dtype)], axis=-1)
+    return replace(state, slots=jax.tree_util.tree_map(resize, state.slots))
+
+
+def _small_table_first(loop: Callable, state: EngineState, num_slots: int) -> EngineState:
+    """`loop(state, slots)` on a table of INTERVAL_FIRST_SLOTS slots when every run starts with fewer
+    running; the runs that fill it rerun from `state` on the full table (as the simulator grows its
+    table), while the others, ended, write nothing. The same runs as on the full table from the start."""
+    small = INTERVAL_FIRST_SLOTS
+    if num_slots <= small:
+        return loop(state, num_slots)
+
+    def attempt(state):
+        tried = _slots_resized(loop(_slots_resized(state, small), small), num_slots)
+        filled = tried.slots_filled & ~state.slots_filled   # per run
+
+        def rerun():
+            def pick(start, done):
+                return jnp.where(jnp.reshape(filled, filled.shape + (1,) * (start.ndim - filled.ndim)), start, done)
+            return loop(jax.tree_util.tree_map(pick, state, tried), num_slots)
+
+        return jax.lax.cond(jnp.any(filled), rerun, lambda: tried)
+
+    fits = jnp.all(state.num_running < small)
+    return jax.lax.cond(fits, attempt, lambda s: loop(s, num_slots), state)
+
+
+@lru_cache(maxsize=None)
+def interval_runner(cost_fn: Callable, num_slots: int, queue_shape: Optional[QueueShape] = None) -> Callable:
+    """``run_from`` as a function of (trace, params, state) that batches well: under ``vmap`` (a vector of
+    controlled runs) the loop runs while any run is live and only its body is vmapped, as in
+    ``run_batched``, instead of JAX selecting every run's whole carry on every iteration. An ended run's
+    iteration writes nothing, so each run ends exactly where its own ``run_from`` would. Either way an
+    interval runs on a small slot table first (`_small_table_first`)."""
+    scored = queue_shape is not None
+
+    @custom_vmap
+    def run(trace, params, state):
+        return _small_table_first(
+            lambda s, slots: run_from(trace, params, s, cost_fn, slots, queue_shape), state, num_slots)
+
+    @run.def_vmap
+    def run_vmapped(axis_size, in_batched, trace, params, state):
+        def batched(tree, flags):
+            return jax.tree_util.tree_map(
+                lambda x, flag: x if flag else jnp.broadcast_to(x, (axis_size,) + jnp.shape(x)), tree, flags)
+
+        trace, params, state = (batched(tree, flags) for tree, flags in zip((trace, params, state), in_batched))
+        state = replace(state, ended=jnp.zeros_like(state.ended))
+
+        def loop(state, slots):
+            return _while_any_live(lambda p, one, t: _iteration(t, p, one, cost_fn, slots, scored),
+                                   params, state, trace)
+
+        out = _small_table_first(loop, state, num_slots)
+        return out, jax.tree_util.tree_map(lambda _: True, out)
+
+    return run
+
+
+def _while_any_live(iteration: Callable, params, state, trace=None):
+    """Iterate a batch of runs (leading axis on params and state; on trace too when given) while any is live."""
+    trace_axis = None if trace is None else 0
+    return jax.lax.while_loop(
+        lambda s: jnp.any(jax.vmap(_live)(s, params)),
+        lambda s: jax.vmap(iteration, in_axes=(0, 0, trace_axis))(params, s, trace),
+        state,
+    )
+
+
+def flush_running(state: EngineState) -> EngineState:
+    """The request table as if the run stopped now: running requests keep what they emitted."""
+    return _flush_running(state)
+
+
+def run_batched(trace: Trace, params: EngineParams, cost_fn: Callable, num_slots: int,
+                queue_shape: Optional[QueueShape] = None) -> EngineState:
+    """Many configs (params with a leading axis) over one workload.
+
+    The loop runs while any config is live and only its body is vmapped. (vmapping the whole
+    while_loop would make JAX select the entire carry -- request table included -- per config on every
+    iteration.) An ended config's iteration writes nothing: `_iteration` gates every update on it.
+    """
+    state = jax.vmap(lambda p: init_state(trace, p, num_slots, queue_shape))(params)
+    scored = queue_shape is not None
+    state = _while_any_live(lambda p, one, _: _iteration(trace, p, one, cost_fn, num_slots, scored), params, state)
+    return jax.vmap(_flush_running)(state)
+
+
+@partial(jax.jit, static_argnames=("cost_fn", "num_slots", "queue_shape"))
+def run_jit(trace, params, cost_fn, num_slots, queue_shape=None):
+    return run(trace, params, cost_fn, num_slots, queue_shape)
+
+
+@partial(jax.jit, static_argnames=("cost_fn", "num_slots", "queue_shape"))
+def run_many(trace, params, cost_fn, num_slots, queue_shape=None):
+    return across_cores(lambda t, p: run_batched(t, p, cost_fn, num_slots, queue_shape), (False, True))(trace, params)

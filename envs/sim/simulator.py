@@ -1,0 +1,332 @@
+"""Host-side entry points to the JAX engine: workload and knobs in, per-request outcomes out.
+
+``simulate_workload`` runs one scheduler config; ``simulate_many`` runs a list of configs over the same
+workload in one vmapped, jitted call (what search uses to evaluate trials in batches). Both return
+``SimulationOutcome`` -- the same type the reference simulator returns.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from servetune.config import Config, SchedulerConfig
+from servetune.envs.sim import engine
+from servetune.envs.sim.double_float import split_double
+from servetune.envs.sim.outcome import (
+    COMPLETED, NOT_ARRIVED, UNFINISHED, EngineTotals, RequestOutcomes, SimulationOutcome,
+)
+from servetune.envs.sim.queue_order import (
+    FEATURES, order_weights, predicted_output_tokens, relative_arrivals_s, ttft_budgets_s,
+)
+from servetune.envs.sim.prefix_cache import PrefixHits, capacity_units, prefix_hits
+from servetune.envs.workload.requests import Workload
+
+INT32_MAX = 2**31 - 1
+
+
+def device_trace(workload: Workload, length_prediction_noise: float = 0.0,
+                 ttft_slo_ms: Optional[np.ndarray] = None, rate_limited: Optional[np.ndarray] = None) -> engine.Trace:
+    """The workload as device arrays; arrival times split into float32 hi + lo parts.
+
+    ``ttft_slo_ms`` (per request, +inf for none; envs/workload/slos.py) sets the deadlines the edf order reads;
+    ``rate_limited`` (per request; envs/workload/admission.py) marks the arrivals tenants' rate limits refuse.
+    """
+    hi, lo = split_double(workload.arrival_s)
+    if ttft_slo_ms is None:
+        ttft_slo_ms = np.full(workload.num_requests, np.inf)
+    closed_loop = {}
+    if workload.closed_loop:
+        first_call = np.flatnonzero(np.diff(workload.session, prepend=-1))
+        closed_loop = dict(session=jnp.asarray(workload.session, jnp.int32),
+                           think=jnp.asarray(workload.think_s, jnp.float32),
+                           first_call=jnp.asarray(first_call, jnp.int32))
+    return engine.Trace(
+        arrival_hi=jnp.asarray(hi), arrival_lo=jnp.asarray(lo),
+        prompt=jnp.asarray(workload.prompt_tokens, jnp.int32),
+        output=jnp.asarray(workload.output_tokens, jnp.int32),
+        arrival_rel=jnp.asarray(relative_arrivals_s(workload)),
+        tenant=jnp.asarray(workload.tenant, jnp.int32),
+        priority=jnp.asarray(workload.priority, jnp.float32),
+        predicted_output=jnp.asarray(predicted_output_tokens(workload, length_prediction_noise), jnp.float32),
+        ttft_budget=jnp.asarray(ttft_budgets_s(ttft_slo_ms), jnp.float32),
+        rate_limited=jnp.asarray(np.zeros(workload.num_requests, bool) if rate_limited is None else rate_limited),
+        **closed_loop,
+    )
+
+
+def concurrency_bound(config: Config, workload: Workload) -> int:
+    """The most requests a resolved continuous-batching config can ever run at once.
+
+    A running request holds at least one KV block (its first scheduled chunk's) and gains blocks until it
+    leaves. A request admitted beside others must leave the watermark's ``W = int(watermark · num_kv_blocks)``
+    blocks free beyond its first chunk's -- beyond its whole prompt's with ``reserve_full_prompt``, which is at
+    least ``⌈shortest prompt / block_size⌉`` blocks. So with n running, the last admitted found at most
+    ``usable − (n − 1)`` blocks free, and ``n ≤ usable − W − least need + 1``; nor can more requests run than
+    the workload has. A max_num_seqs above the bound never stops an admission.
+    """
+    scheduler = config.scheduler
+    watermark_blocks = int(scheduler.watermark * scheduler.num_kv_blocks)
+    least_need = 1
+    if scheduler.reserve_full_prompt and workload.num_requests:
+        least_need = max(1, math.ceil(int(workload.prompt_tokens.min()) / scheduler.block_size))
+    by_blocks = scheduler.usable_kv_blocks - watermark_blocks - least_need + 1
+    return max(1, min(scheduler.max_num_seqs, by_blocks, workload.num_requests))
+
+
+def num_slots_for(schedulers: Sequence[SchedulerConfig]) -> int:
+    """The most slots any config could fill: a power of two covering every config's concurrency."""
+    need = max(s.batch_size if s.policy == "static" else s.max_num_seqs for s in schedulers)
+    return 1 << max(0, math.ceil(math.log2(need)))
+
+
+# Most runs never hold more than a few dozen requests at once, and the engine's cost per iteration grows
+# with the slot count; so runs start with at most this many slots and grow only if the table filled up
+# (the engine reports it). A run whose table never filled is identical to one with every slot.
+INITIAL_SLOTS = 64
+SLOT_GROWTH = 4
+
+
+def _slot_schedule(schedulers: Sequence[SchedulerConfig]) -> list[int]:
+    full = num_slots_for(schedulers)
+    sizes = [min(full, INITIAL_SLOTS)]
+    while sizes[-1] < full:
+        sizes.append(min(full, sizes[-1] * SLOT_GROWTH))
+    return sizes
+
+
+# A scored queue keeps its waiting requests in a pool that is sorted every step; it starts this small
+# and grows (by rerunning, like the slot table) only when a run's queue outgrows it.
+INITIAL_POOL = 256
+POOL_GROWTH = 4
+
+
+def prefix_cache_hits(workload: Workload, scheduler: SchedulerConfig,
+                      replayed: Optional[dict] = None) -> Optional[PrefixHits]:
+    """The prefix cache's hits under this config's KV capacity; None when caching is off. Configs that
+    share a capacity share the replay (a host loop over every block): pass one `replayed` dict for them."""
+    if not scheduler.enable_prefix_caching:
+        return None
+    capacity = capacity_units(workload, scheduler.num_kv_blocks, scheduler.block_size)
+    replayed = {} if replayed is None else replayed
+    if capacity not in replayed:
+        replayed[capacity] = prefix_hits(workload, capacity)
+    return replayed[capacity]
+
+
+def _with_hits(outcome: SimulationOutcome, hits: Optional[PrefixHits]) -> SimulationOutcome:
+    if hits is None:
+        return outcome
+    totals = dataclasses.replace(outcome.totals, prefix_hit_units=hits.hit_units,
+                                 prefix_looked_up_units=hits.looked_up_units)
+    return dataclasses.replace(outcome, totals=totals)
+
+
+def _params(workload, scheduler, cost_params, horizon_s, hits: Optional[PrefixHits]) -> engine.EngineParams:
+    return engine_params(scheduler, cost_params, horizon_s, iteration_guard(workload),
+                         None if hits is None else hits.cached_tokens)
+
+
+def _is_scored(scheduler: SchedulerConfig) -> bool:
+    return scheduler.queue_order != "fcfs"
+
+
+def _queue_shape(workload: Workload, scored: bool, num_slots: int, pool_size: int):
+    if not scored:
+        return None
+    # No queue holds more than the workload, and the front takes num_slots entries from the pool.
+    pool_size = max(min(pool_size, workload.num_requests), num_slots)
+    return engine.QueueShape(pool_size=pool_size, num_tenants=len(workload.tenant_names))
+
+
+def _grown(sizes: tuple[int, int], states: list, schedulers, workload: Workload) -> Optional[tuple[int, int]]:
+    """The (slots, pool) sizes to rerun with, or None when no run outgrew its tables."""
+    num_slots, pool_size = sizes
+    slots_full = any(bool(s.slots_filled) for s in states)
+    pool_full = any(bool(s.pool_filled) for s in states)
+    if not (slots_full or pool_full):
+        return None
+    schedule = _slot_schedule(schedulers)
+    if slots_full:
+        num_slots = next(size for size in schedule if size > num_slots)
+    if pool_full:
+        pool_size = min(max(workload.num_requests, 1), pool_size * POOL_GROWTH)
+    return num_slots, pool_size
+
+
+def iteration_guard(workload: Workload) -> int:
+    """A bound no correct run reaches (each loop iteration makes progress); it only stops a bug."""
+    tokens = int(workload.prompt_tokens.sum() + workload.output_tokens.sum())
+    return min(INT32_MAX, 1000 + 16 * workload.num_requests + 4 * tokens)
+
+
+def engine_params(scheduler: SchedulerConfig, cost_params: Any, horizon_s: Optional[float],
+                  max_iterations: int, cached_tokens: Optional[np.ndarray] = None) -> engine.EngineParams:
+    """The engine's knobs; ``cached_tokens`` (per request, from envs/sim/prefix_cache.py) when prefix caching."""
+    if scheduler.num_kv_blocks is None:
+        raise ValueError("scheduler.num_kv_blocks must be resolved before simulating")
+    horizon_hi, horizon_lo = split_double([np.inf if horizon_s is None else horizon_s])
+
+    def i32(x):
+        return jnp.asarray(x, jnp.int32)
+
+    return engine.EngineParams(
+        max_num_seqs=i32(scheduler.max_num_seqs),
+        max_num_batched_tokens=i32(scheduler.max_num_batched_tokens),
+        chunked_prefill=jnp.asarray(scheduler.enable_chunked_prefill),
+        long_prefill_token_threshold=i32(scheduler.long_prefill_token_threshold),
+        block_size=i32(scheduler.block_size),
+        usable_kv_blocks=i32(scheduler.usable_kv_blocks),
+        watermark_blocks=i32(int(scheduler.watermark * scheduler.num_kv_blocks)),
+        max_num_queued_reqs=i32(engine.NO_LIMIT if scheduler.max_num_queued_reqs is None
+                                else scheduler.max_num_queued_reqs),
+        max_model_len=i32(min(scheduler.model_len_limit, INT32_MAX)),
+        reserve_full_prompt=jnp.asarray(scheduler.reserve_full_prompt),
+        pipelined=jnp.asarray(scheduler.pipelined),
+        static_batching=jnp.asarray(scheduler.policy == "static"),
+        batch_size=i32(scheduler.batch_size),
+        max_wait_s=jnp.asarray(scheduler.max_wait_s, jnp.float32),
+        horizon_hi=jnp.asarray(horizon_hi[0]), horizon_lo=jnp.asarray(horizon_lo[0]),
+        max_iterations=i32(max_iterations),
+        order_weights=jnp.asarray(order_weights(scheduler) if _is_scored(scheduler)
+                                  else np.zeros(len(FEATURES), np.float32)),
+        cached_tokens=None if cached_tokens is None else jnp.asarray(cached_tokens, jnp.int32),
+        cost=jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float32), cost_params),
+    )
+
+
+def outcome_from_state(workload: Workload, state: engine.EngineState, horizon_s: Optional[float]) -> SimulationOutcome:
+    """Engine state (one config, already on the host or device) to the shared outcome type."""
+    req = jax.tree_util.tree_map(np.asarray, state.requests)
+    status = req.status.astype(np.int64)
+    if workload.closed_loop:
+        # A call still NOT_ARRIVED was never released before the run stopped, or released past the horizon.
+        arrival = req.arrival_hi.astype(np.float64) + req.arrival_lo.astype(np.float64)
+    else:
+        # An open-loop request the run stopped before taking in arrived all the same, unless past the horizon.
+        arrived = np.full(workload.num_requests, True) if horizon_s is None else workload.arrival_s < horizon_s
+        status[(status == NOT_ARRIVED) & arrived] = UNFINISHED
+        arrival = workload.arrival_s
+    arrival = np.where(status != NOT_ARRIVED, arrival, np.nan)
+    completed = status == COMPLETED
+    generated = req.generated.astype(np.int64)
+    first_token = arrival + req.ttft.astype(np.float64)
+    finish = np.where(completed, arrival + req.e2el.astype(np.float64), np.nan)
+    two_or_more = generated >= 2
+    requests = RequestOutcomes(
+        status=status,
+        arrival_s=arrival,
+        reject_reason=req.reason.astype(np.int64),
+        first_token_s=first_token,
+        finish_s=finish,
+        generated_tokens=generated,
+        preemptions=req.preemptions.astype(np.int64),
+        max_itl_s=np.where(two_or_more, req.max_gap.astype(np.float64), np.nan),
+        itl_sum_sq_s2=np.where(two_or_more, req.sum_sq_gap.astype(np.float64), 0.0),
+    )
+    end_s = float(np.float64(state.clock_hi) + np.float64(state.clock_lo))
+    totals = EngineTotals(
+        end_s=end_s,
+        steps=int(state.steps),
+        scheduled_seqs=int(state.scheduled_seqs),
+        kv_block_seconds=float(state.kv_block_seconds),
+        in_system_seconds=float(state.in_system_seconds),
+        itl_histogram=np.asarray(state.itl_histogram, np.int64),
+        truncated=bool(state.iterations >= iteration_guard(workload)) and not bool(state.ended),
+    )
+    return SimulationOutcome(requests, totals)
+
+
+def _stack(params: Sequence[engine.EngineParams]) -> engine.EngineParams:
+    return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *params)
+
+
+def _run_growing(workload: Workload, trace, params: list, cost_fn, schedulers, scored: bool) -> list:
+    """Run every config, rerunning those whose slot table or queue pool filled up with larger ones."""
+    states: list = [None] * len(params)
+    pending = list(range(len(params)))
+    sizes: Optional[tuple[int, int]] = (_slot_schedule(schedulers)[0], INITIAL_POOL)
+    while sizes is not None:
+        shape = _queue_shape(workload, scored, *sizes)
+        batch = jax.device_get(engine.run_many(trace, _stack([params[i] for i in pending]), cost_fn, sizes[0], shape))
+        for row, i in enumerate(pending):
+            states[i] = jax.tree_util.tree_map(lambda x: x[row], batch)
+        sizes = _grown(sizes, [states[i] for i in pending], schedulers, workload)
+        pending = [i for i in pending if bool(states[i].slots_filled) or bool(states[i].pool_filled)]
+    return states
+
+
+def _run_one_growing(workload: Workload, trace, params, cost_fn, scheduler, compile_timer=None):
+    """One config, growing its tables as needed; with a `compile_timer` list, compiles ahead of time and
+    appends (compile s, simulate s) per attempt."""
+    sizes: Optional[tuple[int, int]] = (_slot_schedule([scheduler])[0], INITIAL_POOL)
+    while sizes is not None:
+        shape = _queue_shape(workload, _is_scored(scheduler), *sizes)
+        if compile_timer is None:
+            state = jax.device_get(engine.run_jit(trace, params, cost_fn, sizes[0], shape))
+        else:
+            start = time.perf_counter()
+            compiled = engine.run_jit.lower(trace, params, cost_fn, sizes[0], shape).compile()
+            compiled_at = time.perf_counter()
+            state = jax.device_get(jax.block_until_ready(compiled(trace, params)))
+            compile_timer.append((compiled_at - start, time.perf_counter() - compiled_at))
+        sizes = _grown(sizes, [state], [scheduler], workload)
+    return state
+
+
+def simulate_workload(workload: Workload, scheduler: SchedulerConfig, cost_fn: Callable, cost_params: Any,
+                      horizon_s: Optional[float] = None, ttft_slo_ms: Optional[np.ndarray] = None,
+                      rate_limited: Optional[np.ndarray] = None) -> SimulationOutcome:
+    """Simulate one scheduler config over a workload (``ttft_slo_ms`` and ``rate_limited``: see device_trace)."""
+    hits = prefix_cache_hits(workload, scheduler)
+    params = _params(workload, scheduler, cost_params, horizon_s, hits)
+    trace = device_trace(workload, scheduler.length_prediction_noise, ttft_slo_ms, rate_limited)
+    state = _run_one_growing(workload, trace, params, cost_fn, scheduler)
+    return _with_hits(outcome_from_state(workload, state, horizon_s), hits)
+
+
+def simulate_many(workload: Workload, schedulers: Sequence[SchedulerConfig], cost_fn: Callable,
+                  cost_params: Sequence[Any], horizon_s: Optional[float] = None,
+                  ttft_slo_ms: Optional[np.ndarray] = None,
+                  rate_limited: Optional[np.ndarray] = None) -> list[SimulationOutcome]:
+    """Simulate many scheduler configs (each with its own cost parameters) in one vmapped call.
+
+    Configs that need different compiled engines (fcfs against a scored queue) or different predicted
+    lengths run as separate groups, each one vmapped call.
+    """
+    if len(schedulers) != len(cost_params):
+        raise ValueError("simulate_many needs one cost-parameter set per scheduler config")
+    replayed: dict = {}
+    hits = [prefix_cache_hits(workload, s, replayed) for s in schedulers]
+    params = [_params(workload, s, c, horizon_s, h) for s, c, h in zip(schedulers, cost_params, hits)]
+    groups: dict[tuple, list[int]] = {}
+    for i, scheduler in enumerate(schedulers):
+        scored = _is_scored(scheduler)
+        key = (scored, scheduler.length_prediction_noise if scored else 0.0, scheduler.enable_prefix_caching)
+        groups.setdefault(key, []).append(i)
+    outcomes: list = [None] * len(schedulers)
+    for (scored, noise, _), members in groups.items():
+        trace = device_trace(workload, noise, ttft_slo_ms, rate_limited)
+        states = _run_growing(workload, trace, [params[i] for i in members], cost_fn,
+                              [schedulers[i] for i in members], scored)
+        for i, state in zip(members, states):
+            outcomes[i] = _with_hits(outcome_from_state(workload, state, horizon_s), hits[i])
+    return outcomes
+
+
+def simulate_timed(workload: Workload, scheduler: SchedulerConfig, cost_fn: Callable, cost_params: Any,
+                   horizon_s: Optional[float] = None, ttft_slo_ms: Optional[np.ndarray] = None,
+                   rate_limited: Optional[np.ndarray] = None) -> tuple[SimulationOutcome, float, float]:
+    """Like simulate_workload, also returning (compile seconds, simulate seconds) measured apart."""
+    hits = prefix_cache_hits(workload, scheduler)
+    params = _params(workload, scheduler, cost_params, horizon_s, hits)
+    trace = device_trace(workload, scheduler.length_prediction_noise, ttft_slo_ms, rate_limited)
+    timings: list = []
+    state = _run_one_growing(workload, trace, params, cost_fn, scheduler, timings)
+    compile_s, simulate_s = (sum(column) for column in zip(*timings))
+    return _with_hits(outcome_from_state(workload, state, horizon_s), hits), compile_s, simulate_s

@@ -1,0 +1,1 @@
+"""Optuna studies over scheduler knobs: the search space, objectives' baselines, scenarios, storage, workers."""
