@@ -285,7 +285,7 @@ def test_fair_share_protects_the_well_behaved_tenant():
 # -- config and search ---------------------------------------------------------------------------------
 
 from servetune.config_loader import config_from_dict  # noqa: E402
-from servetune.envs import engine  # noqa: E402
+from servetune.envs.sim import engine  # noqa: E402
 from servetune.errors import ConfigError  # noqa: E402
 from servetune.search.study.space import SearchSpace, apply_knobs  # noqa: E402
 

@@ -20,7 +20,7 @@ from servetune.search.study.baselines import baselines, space_with_baselines
 from servetune.search.evaluate import BatchEvaluator, use_persistent_compilation_cache
 from servetune.vllm_defaults import vllm_default_knobs
 from servetune.search.study.space import SearchSpace, apply_knobs
-from servetune.search.study.optimize import optimize as study_module
+from servetune.search.study import optimize as study_module
 from servetune.search.study.optimize import (
     REFUSAL_ATTR, best_trials, chosen_trial, is_feasible, open_study, run_study, trial_config,
 )

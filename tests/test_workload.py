@@ -323,7 +323,7 @@ def test_a_servegen_scale_that_would_flood_a_window_is_refused_before_drawing_it
 
 
 def test_a_renewal_whose_gaps_round_to_zero_ends_instead_of_looping(monkeypatch):
-    from servetune.envs.workload.requests import arrivals
+    from servetune.envs.workload import arrivals
 
     # A gap distribution with every gap 0 s, as a shape far below ServeGen's fits makes them: the window would
     # never end. The guard stops after MAX_NUM_REQUESTS arrivals (made small here).
