@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import servetune  # noqa: F401  (registers the ids)
-from servetune.envs.gym import core as core
+from servetune.envs.gym import core
 from servetune.envs.gym.world import build_world
 from servetune.parallel import across_cores, laid_out
 

@@ -16,7 +16,7 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 
 import servetune  # noqa: F401  (registers the ids)
-from servetune.envs.gym import core as core
+from servetune.envs.gym import core
 from servetune.envs.gym.actions import decode
 from servetune.envs.gym.baselines import BASELINES, reactive
 from servetune.envs.gym.world import variant_config

@@ -34,7 +34,7 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space
 
 from servetune.envs.sim import engine
-from servetune.envs.gym import core as core
+from servetune.envs.gym import core
 from servetune.envs.gym.actions import action_names, decode
 from servetune.envs.gym.render import draw_timeline, replay, status_line
 from servetune.envs.gym.report import episode_metrics, episode_outcome

@@ -31,7 +31,7 @@ import numpy as np
 from scipy import stats
 
 from servetune.config import Config
-from servetune.envs.gym import core as core
+from servetune.envs.gym import core
 from servetune.envs.sim.engine import NO_LIMIT
 from servetune.envs.gym.actions import decode
 from servetune.envs.gym.baselines import fixed_config, reactive, vllm_defaults

@@ -32,7 +32,7 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from servetune.config import Config
-from servetune.envs.gym import core as core
+from servetune.envs.gym import core
 from servetune.envs.gym.actions import action_names
 from servetune.envs.gym.world import World, build_world
 from servetune.errors import UserError
