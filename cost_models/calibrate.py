@@ -16,9 +16,10 @@ commits are in ../shared/data/MANIFEST.md):
 
 Vidur's operators are also assembled into whole steps (``layers x (a layer's operators + the attention
 kernel) + embedding`` for every decode batch and prefill chunk the attention file measured), the quantity the
-simulator needs. The fit minimises the mean squared log error (relative errors, so 20 µs kernels count as
-much as 20 ms ones); whole steps carry half the loss, the separate operators and the other data sets the
-other half, each set equally, with L-BFGS on JAX gradients. Efficiencies are kept in (0, 1) by a
+simulator needs; without an attention file (H100), into steps of the layers' operators alone
+(``layers x (a layer's operators) + embedding`` at every token count). The fit minimises the mean squared log
+error (relative errors, so 20 µs kernels count as much as 20 ms ones); whole steps carry half the loss, the
+separate operators and the other data sets the other half, each set equally, with L-BFGS on JAX gradients. Efficiencies are kept in (0, 1) by a
 sigmoid, the roofline sharpness at 1 or more by 1 + softplus, times positive by an exponential. It runs in float64: L-BFGS's line search needs a loss that
 resolves changes far below float32's 1e-7 relative step, and calibration is offline, so precision is cheap.
 
@@ -262,15 +263,20 @@ def predict(dataset: Dataset, calibration: Calibration, gpu: GpuSpec) -> jnp.nda
         return f["ring_steps"] * c.allreduce_latency_s + f["bytes"] / (link * c.allreduce_efficiency)
     if dataset.kind == "host":
         return c.per_step_overhead_s + c.per_request_overhead_s * f["seqs"]
-    if dataset.kind in ("step", "gpu_step"):
+    if dataset.kind in ("step", "gpu_step", "layer_step"):
         params = dataclasses.replace(f["params"], calibration=c)
         batch = jax.tree_util.tree_map(jnp.asarray, f["batch"])
         time = step_time_s(params, batch)
-        return time - host_overhead_s(c, batch) if dataset.kind == "gpu_step" else time
+        if dataset.kind == "step":
+            return time
+        time = time - host_overhead_s(c, batch)
+        # layer_step: the layers' operators without the attention kernel (none was measured)
+        return time - params.num_layers * c.attention_overhead_s if dataset.kind == "layer_step" else time
     raise ValueError(f"unknown data set kind {dataset.kind}")
 
 
-def _to_calibration(theta: jnp.ndarray, names: tuple[str, ...]) -> Calibration:
+def _to_calibration(theta: jnp.ndarray, names: tuple[str, ...], base: Optional[Calibration] = None) -> Calibration:
+    """The calibration ``theta`` (unconstrained values of ``names``) stands for; the other fields from ``base``."""
     values = {}
     for name, value in zip(names, theta):
         if name in EFFICIENCIES:
@@ -279,7 +285,7 @@ def _to_calibration(theta: jnp.ndarray, names: tuple[str, ...]) -> Calibration:
             values[name] = 1.0 + jax.nn.softplus(value)
         else:
             values[name] = jnp.exp(value)
-    return Calibration(**values)
+    return Calibration(**values) if base is None else dataclasses.replace(base, **values)
 
 
 def _from_calibration(calibration: Calibration, names: tuple[str, ...]) -> np.ndarray:
@@ -296,18 +302,37 @@ def _from_calibration(calibration: Calibration, names: tuple[str, ...]) -> np.nd
     return np.array(theta)
 
 
-def fit(datasets: list[Dataset], gpu: GpuSpec, initial: Calibration = Calibration()) -> Calibration:
+def fit(datasets: list[Dataset], gpu: GpuSpec, initial: Calibration = Calibration(),
+        names: Optional[tuple[str, ...]] = None) -> Calibration:
     """The calibration minimising the mean (over data sets) of each set's mean squared log error.
 
-    A parameter no data set depends on keeps its initial value (its gradient is zero throughout).
+    Only ``names`` (default: every field) are fitted; the others keep ``initial``'s values. A parameter no data
+    set depends on keeps its initial value (its gradient is zero throughout).
     """
-    names = tuple(f.name for f in dataclasses.fields(Calibration))
+    return fit_with_status(datasets, gpu, initial, names)[0]
+
+
+@dataclass
+class FitStatus:
+    converged: bool
+    message: str
+    iterations: int
+    loss: float
+
+
+def fit_with_status(datasets: list[Dataset], gpu: GpuSpec, initial: Calibration = Calibration(),
+                    names: Optional[tuple[str, ...]] = None) -> tuple[Calibration, FitStatus]:
+    """``fit``, and whether L-BFGS converged (with its message, iterations and final loss)."""
+    all_names = tuple(f.name for f in dataclasses.fields(Calibration))
+    names = all_names if names is None else tuple(names)
     usable = [d.subset(d.measured_s > 0) for d in datasets if np.any(d.measured_s > 0)]
     if not usable:
         raise UserError("no measured times to calibrate on")
     with jax.enable_x64(True):
+        base = Calibration(**{name: jnp.float64(float(getattr(initial, name))) for name in all_names})
+
         def loss(theta):
-            calibration = _to_calibration(theta, names)
+            calibration = _to_calibration(theta, names, base)
             errors = [d.weight * jnp.mean((jnp.log(predict(d, calibration, gpu)) - jnp.log(d.measured_s)) ** 2)
                       for d in usable]
             return sum(errors) / sum(d.weight for d in usable)
@@ -320,8 +345,13 @@ def fit(datasets: list[Dataset], gpu: GpuSpec, initial: Calibration = Calibratio
 
         result = scipy.optimize.minimize(objective, _from_calibration(initial, names), jac=True, method="L-BFGS-B",
                                          options={"maxiter": 2000})
-        fitted = _to_calibration(jnp.asarray(result.x), names)
-        return Calibration.from_dict({name: float(getattr(fitted, name)) for name in names})
+        fitted = _to_calibration(jnp.asarray(result.x), names, base)
+        calibration = Calibration.from_dict({name: float(getattr(fitted, name)) for name in all_names})
+    finite = bool(np.isfinite(result.fun)) and bool(np.all(np.isfinite(result.x)))
+    message = result.message if isinstance(result.message, str) else str(result.message)
+    status = FitStatus(converged=bool(result.success) and finite, message=message, iterations=int(result.nit),
+                       loss=float(result.fun))
+    return calibration, status
 
 
 # ---------------------------------------------------------------------------------------------- accuracy
@@ -414,6 +444,37 @@ def assemble_vidur_steps(operator_raw: dict, attention_raw: dict, num_layers: in
             dataclasses.replace(whole.subset(is_prefill_step), name="step.prefill")]
 
 
+def assemble_layer_steps(operator_raw: dict, num_layers: int, gpu: GpuSpec, tp: int) -> list[Dataset]:
+    """Steps without attention, for a GPU without an attention measurement: for every operator row at tensor
+    parallelism ``tp``, ``layers x (the layer's operators) + the embedding`` at that token count, predicted as
+    a ``layer_step`` (the roofline's step without attention, LM head, communication or host time)."""
+    keep = operator_raw["tp"] == tp
+    if not keep.any():
+        return []
+    o = {key: value[keep] for key, value in operator_raw.items()}
+    matmuls = layer_matmul_shapes(o["hidden"], o["q_heads"], o["kv_heads"], o["head_dim"], o["ffn"], o["gated"])
+    weights = sum(k * n for k, n in matmuls)
+    zeros = np.zeros(int(keep.sum()))
+    params = RooflineParams(
+        num_layers=zeros + num_layers, layer_weight_bytes=weights * DTYPE_BYTES,
+        layer_matmul_flops_per_token=2 * weights,
+        layer_matmul_io_bytes_per_token=sum(k + n for k, n in matmuls) * DTYPE_BYTES,
+        layer_elementwise_bytes_per_token=DTYPE_BYTES * layer_elementwise_elements_per_token(
+            o["hidden"], o["q_heads"], o["kv_heads"], o["head_dim"], o["ffn"], o["gated"]),
+        attention_flops_per_pair=zeros, kv_bytes_per_token=zeros,
+        lm_head_weight_bytes=zeros, lm_head_flops_per_seq=zeros, lm_head_io_bytes_per_seq=zeros,
+        embedding_bytes_per_token=2 * o["hidden"] * DTYPE_BYTES,
+        allreduces_per_layer=zeros, allreduce_bytes_per_token=zeros, allreduce_ring_steps=zeros,
+        peak_flops_per_s=zeros + gpu.peak_flops_per_s, memory_bytes_per_s=zeros + gpu.memory_bytes_per_s,
+        link_bytes_per_s=zeros + gpu.interconnect_bytes_per_s / 2, calibration=Calibration())
+    tokens = o["tokens"]
+    steps = StepBatch(num_prefill_seqs=zeros, prefill_tokens=zeros, prefill_context_tokens=zeros,
+                      prefill_attention_pairs=zeros, num_decode_seqs=tokens, decode_context_tokens=zeros)
+    measured = num_layers * o["layer_ms"] * MS + o["embedding_ms"] * MS
+    return [Dataset(name="step.layers", kind="layer_step", measured_s=measured, fold_key=tokens.astype(int),
+                    features={"params": params, "batch": steps})]
+
+
 @dataclass
 class CalibrationResult:
     calibration: Calibration   # fitted on every row
@@ -423,11 +484,14 @@ class CalibrationResult:
 def calibrate(operator_dirs: list[Path], attention_csv: Optional[Path], allreduce_csv: Optional[Path],
               host_csv: Optional[Path], distserve_json: Optional[Path], gpu: GpuSpec, folds: int = 5,
               seed: int = 0, step_tp: int = 1,
-              progress: Callable[[str], None] = lambda message: None) -> CalibrationResult:
+              progress: Callable[[str], None] = lambda message: None,
+              initial: Calibration = Calibration()) -> CalibrationResult:
     """Fit on everything given, and report k-fold held-out errors per data set (operators, assembled steps,
     DistServe steps) next to the errors of the uncalibrated (default) roofline. Vidur's operators are
     assembled into steps at tensor parallelism ``step_tp`` (the degree the model is served at); operator
-    rows of every degree are fitted."""
+    rows of every degree are fitted. The fit starts from ``initial``, which also supplies every value the data
+    cannot inform (no attention file: the attention efficiencies and overhead; no host file: the host
+    overheads)."""
     if not operator_dirs and attention_csv is None and distserve_json is None:
         raise UserError("nothing to calibrate on: give --profiles, --attention or --distserve")
     attention_raw = None
@@ -440,8 +504,10 @@ def calibrate(operator_dirs: list[Path], attention_csv: Optional[Path], allreduc
         label = Path(directory).name
         datasets += [dataclasses.replace(d, name=f"{label}:{d.name}") for d in loaded]
         model = _vidur_model(directory)
-        if attention_raw is not None and model is not None:
-            steps = assemble_vidur_steps(raw, attention_raw, model.num_layers, gpu, step_tp)
+        if model is not None:
+            # without an attention measurement, the steps are the layers' operators alone (layer_step)
+            steps = (assemble_vidur_steps(raw, attention_raw, model.num_layers, gpu, step_tp)
+                     if attention_raw is not None else assemble_layer_steps(raw, model.num_layers, gpu, step_tp))
             datasets += [dataclasses.replace(d, name=f"{label}:{d.name}") for d in steps]
     if allreduce_csv is not None:
         datasets.append(load_vidur_allreduce(allreduce_csv))
@@ -453,9 +519,9 @@ def calibrate(operator_dirs: list[Path], attention_csv: Optional[Path], allreduc
 
     datasets = _weigh_steps_against_operators(datasets)
     progress(f"fitting on {sum(len(d.measured_s) for d in datasets)} rows in {len(datasets)} data sets")
-    calibration = fit(datasets, gpu)
+    calibration = fit(datasets, gpu, initial)
     progress(f"{folds}-fold cross-validation by token count")
-    held_out, _ = held_out_predictions(datasets, gpu, folds, seed)
+    held_out, _ = held_out_predictions(datasets, gpu, folds, seed, initial)
     default = Calibration().as_float32()
     report = {"folds": folds, "step_tp": step_tp, "datasets": {}}
     for d, calibrated_prediction in zip(datasets, held_out):
@@ -468,11 +534,12 @@ def calibrate(operator_dirs: list[Path], attention_csv: Optional[Path], allreduc
 def _weigh_steps_against_operators(datasets: list[Dataset]) -> list[Dataset]:
     """Whole steps (what the simulator asks for) get half the loss, the separate operators the other half
     (they keep each efficiency tied to the work it describes)."""
-    steps = [d for d in datasets if d.kind in ("step", "gpu_step")]
+    steps = [d for d in datasets if d.kind in ("step", "gpu_step", "layer_step")]
     if not steps or len(steps) == len(datasets):
         return datasets
     step_weight = (len(datasets) - len(steps)) / len(steps)
-    return [dataclasses.replace(d, weight=step_weight) if d.kind in ("step", "gpu_step") else d for d in datasets]
+    return [dataclasses.replace(d, weight=step_weight) if d.kind in ("step", "gpu_step", "layer_step") else d
+            for d in datasets]
 
 
 def _vidur_model(directory: Path):

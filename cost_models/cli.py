@@ -53,7 +53,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     memory.add_argument("--json", action="store_true", help="print one JSON object")
     memory.set_defaults(func=run_memory)
 
-    fit = subparsers.add_parser("calibrate", help="fit the roofline's efficiencies to measured GPU timings")
+    fit = subparsers.add_parser("calibrate", help="fit the roofline's efficiencies to measured GPU timings",
+                                description="Fit the roofline's efficiencies and overheads either to measured "
+                                            "engine steps (--steps, with --model, --gpu, --tp) or to Vidur/DistServe "
+                                            "operator profiles (--profiles, --attention, ...), print the k-fold "
+                                            "held-out error, and write a profile for cost_model: {kind: calibrated}.")
+    fit.add_argument("--steps", type=Path, metavar="CSV",
+                     help="measured engine steps, one a row: prefill_tokens, decode_requests, context_tokens, "
+                          "step_time_ms (optional cached_prefix_tokens, prefill_requests)")
+    fit.add_argument("--model", help="with --steps: the model the steps ran (catalogue name or config.json)")
+    fit.add_argument("--tp", type=int, default=1, help="with --steps: tensor-parallel GPUs (default 1)")
+    fit.add_argument("--fit", metavar="NAMES",
+                     help="with --steps: comma-separated parameters to fit (default: those the steps identify)")
+    fit.add_argument("--gpu-time-only", action="store_true",
+                     help="with --steps: the times are GPU kernel time (a profiler's sum), without host time")
+    fit.add_argument("--initial", metavar="PROFILE",
+                     help="start from this profile and keep what the data cannot fit from it (default: with "
+                          "--steps, the shipped profile of --gpu if there is one; else the datasheet defaults)")
+    fit.add_argument("--force", action="store_true",
+                     help="with --steps: write the profile even when the fit did not converge or its held-out "
+                          "error is worse than the uncalibrated roofline's")
     fit.add_argument("--profiles", nargs="+", default=[], type=Path, metavar="DIR",
                      help="Vidur compute profile folders (each holding mlp.csv)")
     fit.add_argument("--attention", type=Path, help="Vidur attention CSV")
@@ -197,6 +216,20 @@ def run_memory(args: argparse.Namespace) -> int:
     return 0
 
 
+def _initial_calibration(args: argparse.Namespace, gpu, default_to_shipped: bool):
+    """The calibration a fit starts from, and where it came from (a profile path, or the datasheet defaults)."""
+    from servetune.cost_models.profile import find_profile, load_profile, shipped_profile_for
+    from servetune.cost_models.roofline import Calibration
+
+    if args.initial is not None:
+        path = find_profile(args.initial)
+        return load_profile(path)[0], args.initial
+    shipped = shipped_profile_for(gpu.name) if default_to_shipped else None
+    if shipped is not None:
+        return load_profile(shipped)[0], f"shipped {shipped.name}"
+    return Calibration(), "datasheet defaults"
+
+
 @_named_by_flags
 def run_calibrate(args: argparse.Namespace) -> int:
     from servetune.cost_models.calibrate import calibrate
@@ -204,14 +237,31 @@ def run_calibrate(args: argparse.Namespace) -> int:
 
     if args.folds < 2:
         raise UserError(f"--folds must be at least 2, found {args.folds}")
+    if args.steps is not None:
+        return _run_calibrate_steps(args)
+    for flag in ("model", "fit"):
+        if getattr(args, flag) is not None:
+            raise UserError(f"--{flag} is for --steps; the operator profiles name their own models")
+    if args.force or args.gpu_time_only:
+        raise UserError("--force and --gpu-time-only are for --steps")
     check_output_file(args.out, "--out")
     gpu = resolve_gpu(args.gpu)
+    initial, initial_source = _initial_calibration(args, gpu, default_to_shipped=False)
     console = Console(stderr=True)
     result = calibrate(args.profiles, args.attention, args.allreduce, args.cpu_overheads, args.distserve, gpu,
-                       folds=args.folds, seed=args.seed, step_tp=args.step_tp, progress=console.print)
+                       folds=args.folds, seed=args.seed, step_tp=args.step_tp, progress=console.print,
+                       initial=initial)
     sources = {"profiles": [str(p) for p in args.profiles], "attention": _optional(args.attention),
                "allreduce": _optional(args.allreduce), "cpu_overheads": _optional(args.cpu_overheads),
                "distserve": _optional(args.distserve)}
+    if args.initial is not None:
+        kept = []
+        if args.attention is None and args.distserve is None:
+            kept.append("attention efficiencies and overhead (no attention measurement)")
+        if args.cpu_overheads is None and args.distserve is None:
+            kept.append("host overheads (no host measurement)")
+        sources["initial"] = initial_source
+        sources["kept_from_initial"] = kept
     write_profile(args.out, result.calibration, gpu.name, sources, result.report)
     if args.json:
         print(json.dumps({"profile": str(args.out), "calibration": result.calibration.as_floats(), **result.report}))
@@ -234,6 +284,88 @@ def _optional(path):
     return None if path is None else str(path)
 
 
+def _run_calibrate_steps(args: argparse.Namespace) -> int:
+    """``calibrate --steps``: fit the parameters measured steps identify; refuse to write a fit that did not
+    converge or predicts held-out steps worse than the uncalibrated roofline, unless ``--force``."""
+    from servetune.cost_models.calibrate_steps import PREFERENCE, calibrate_steps, read_steps_csv
+    from servetune.cost_models.models import heads_per_gpu
+    from servetune.cost_models.profile import write_profile
+
+    for flag in ("profiles", "attention", "allreduce", "cpu_overheads", "distserve"):
+        if getattr(args, flag):
+            raise UserError(f"--{flag.replace('_', '-')} is for operator profiles, not for --steps")
+    if args.model is None:
+        raise UserError("--steps needs --model: the model the steps ran (a catalogue name or a config.json)")
+    if args.tp < 1:
+        raise InvalidValue("--tp", args.tp, "a whole number of GPUs, 1 or more")
+    names = None
+    if args.fit is not None:
+        names = [name.strip() for name in args.fit.split(",") if name.strip()]
+        unknown = [name for name in names if name not in PREFERENCE]
+        if unknown or not names:
+            raise InvalidValue("--fit", args.fit, f"comma-separated names from {', '.join(PREFERENCE)}")
+        names = list(dict.fromkeys(names))
+    check_output_file(args.out, "--out")
+    model, gpu = resolve_model(args.model), resolve_gpu(args.gpu)
+    heads_per_gpu(model, args.tp)   # a TP degree that does not divide the heads is refused here, named --tp
+    initial, initial_source = _initial_calibration(args, gpu, default_to_shipped=True)
+    rows = read_steps_csv(args.steps)
+    console = Console(stderr=True)
+    console.print(f"{len(rows)} steps of {model.name} on {gpu.name} × {args.tp}; starting from {initial_source}")
+    result = calibrate_steps(rows, model, gpu, args.tp, initial, names, folds=args.folds, seed=args.seed,
+                             gpu_time_only=args.gpu_time_only, progress=console.print)
+    kinds = result.report["batch_kinds"]
+    held_out, uncalibrated = kinds["all"]["held_out"]["mape_pct"], kinds["all"]["uncalibrated"]["mape_pct"]
+    problems = []
+    if not result.converged:
+        problems.append(f"the fit did not converge ({result.status.message})")
+    if held_out > uncalibrated:
+        problems.append(f"its held-out MAPE {held_out:.2f}% is worse than the uncalibrated roofline's "
+                        f"{uncalibrated:.2f}%")
+    write = not problems or args.force
+    if write:
+        sources = {"steps": str(args.steps), "model": model.name, "tp": args.tp, "rows": len(rows),
+                   "gpu_time_only": args.gpu_time_only, "initial": initial_source, "fitted": result.fitted}
+        write_profile(args.out, result.calibration, gpu.name, sources, result.report)
+    if args.json:
+        print(json.dumps({"profile": str(args.out) if write else None, "written": write, "problems": problems,
+                          "calibration": result.calibration.as_floats(), **result.report}))
+    else:
+        _print_steps_report(args, result, initial_source, write)
+    if problems:
+        verdict = "wrote it anyway (--force)" if write else "wrote nothing (--force writes it anyway)"
+        message = f"{args.steps}: {'; '.join(problems)}: {verdict}"
+        if not write:
+            raise UserError(message)
+        console.print(f"warning: {message}")
+    return 0
+
+
+def _print_steps_report(args: argparse.Namespace, result, initial_source: str, written: bool) -> None:
+    report = result.report
+    where = f"profile written to {args.out}" if written else "no profile written"
+    table = Table(title=f"step-time error by batch kind ({report['folds']}-fold held out by step shape); {where}",
+                  box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False)
+    for column in ("batch kind", "rows", "fit\nMAPE %", "held-out\nMAPE %", "held-out\nworst %",
+                   "uncalibrated\nMAPE %", "start\nMAPE %"):
+        table.add_column(column, justify="left" if column == "batch kind" else "right", no_wrap=True)
+    for kind, errors in report["batch_kinds"].items():
+        table.add_row(kind, f"{errors['fit']['rows']:,}", f"{errors['fit']['mape_pct']:.2f}",
+                      f"{errors['held_out']['mape_pct']:.2f}", f"{errors['held_out']['worst_pct']:+.1f}",
+                      f"{errors['uncalibrated']['mape_pct']:.2f}", f"{errors['initial']['mape_pct']:.2f}",
+                      style="bold" if kind == "all" else None)
+    console = Console()
+    console.print(table)
+    values = result.calibration.as_floats()
+    console.print("fitted: " + ", ".join(f"{name} {values[name]:.4g}" for name in result.fitted))
+    reasons: dict[str, list[str]] = {}
+    for name, why in result.left_out.items():
+        reasons.setdefault(why, []).append(name)
+    console.print(f"kept from {initial_source} (the start column): "
+                  + "; ".join(f"{', '.join(names)} ({why})" for why, names in reasons.items()))
+    console.print("uncalibrated: the roofline's datasheet defaults")
+
+
 def run_models(args: argparse.Namespace) -> int:
     rows = [{"name": m.name, "layers": m.num_layers, "hidden": m.hidden_size, "heads": m.num_heads,
              "kv_heads": m.num_kv_heads, "head_dim": m.head_dim, "intermediate": m.intermediate_size,
@@ -246,14 +378,33 @@ def run_models(args: argparse.Namespace) -> int:
                              ("max_model_len", "context")])
 
 
+def measured_profiles() -> dict[str, str]:
+    """GPU name -> file name of the shipped calibrated profile measured on it. Read as plain JSON, without the
+    profile module (which needs JAX), so that ``servetune gpus`` starts fast."""
+    profiles: dict[str, str] = {}
+    for path in sorted((Path(__file__).resolve().parent / "profiles").glob("*.json")):
+        try:
+            gpu = json.loads(path.read_text(encoding="utf-8")).get("gpu")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(gpu, str):
+            profiles.setdefault(gpu, path.name)
+    return profiles
+
+
 def run_gpus(args: argparse.Namespace) -> int:
+    measured = measured_profiles()
     rows = [{"name": g.name, "description": g.description, "bf16_tflops": g.peak_flops_per_s / 1e12,
              "memory_gb_per_s": g.memory_bytes_per_s / 1e9, "memory_gib": g.memory_bytes / GIB,
              "interconnect_gb_per_s": g.interconnect_bytes_per_s / 1e9, "interconnect": g.interconnect,
-             "source": g.source} for g in GPUS.values()]
-    return _print_catalogue(args, rows, "GPUs (dense BF16 tensor FLOP/s; sources in cost_models/gpus.py)",
+             "source": g.source, "measured_profile": measured.get(g.name),
+             "step_costs": "measured" if g.name in measured else "datasheet"} for g in GPUS.values()]
+    return _print_catalogue(args, rows, "GPUs (dense BF16 tensor FLOP/s; sources in cost_models/gpus.py; step "
+                                        "costs: measured = a shipped calibrated profile, named with --json, "
+                                        "datasheet = the roofline on datasheet peaks)",
                             ["name", ("bf16_tflops", "BF16\nTFLOP/s"), ("memory_gb_per_s", "memory\nGB/s"),
-                             ("memory_gib", "memory\nGiB"), ("interconnect_gb_per_s", "interconnect\nGB/s")])
+                             ("memory_gib", "memory\nGiB"), ("interconnect_gb_per_s", "interconnect\nGB/s"),
+                             ("step_costs", "step\ncosts")])
 
 
 def _print_catalogue(args: argparse.Namespace, rows: list[dict], title: str, columns: list) -> int:

@@ -38,6 +38,20 @@ def shipped_profiles() -> list[Path]:
     return sorted(SHIPPED_PROFILES_DIR.glob("*.json"))
 
 
+def shipped_profile_gpus() -> dict[str, Path]:
+    """The GPU each shipped profile was measured on (its ``gpu`` field), mapped to the profile (the first by
+    file name when several were measured on one GPU)."""
+    gpus: dict[str, Path] = {}
+    for path in shipped_profiles():
+        gpus.setdefault(load_profile(path)[1]["gpu"], path)
+    return gpus
+
+
+def shipped_profile_for(gpu: str) -> Optional[Path]:
+    """The shipped profile measured on ``gpu`` (a catalogue name), if there is one."""
+    return shipped_profile_gpus().get(gpu)
+
+
 def find_profile(profile: Optional[str], base_dir: Optional[Path] = None) -> Path:
     """The profile file a config names: a path (relative ones tried from ``base_dir``, then the working
     folder) or the file name of a shipped profile. An ``InvalidValue`` when there is none."""

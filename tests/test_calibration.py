@@ -109,7 +109,7 @@ def test_profiles_round_trip_and_bad_ones_are_user_errors(tmp_path):
 
 
 def test_the_shipped_a100_profile_meets_the_accuracy_targets_it_records():
-    assert [p.name for p in shipped_profiles()] == ["llama-2-7b_a100-80gb.json"]
+    assert [p.name for p in shipped_profiles()] == ["llama-2-7b_a100-80gb.json", "llama-2-7b_h100-80gb.json"]
     calibration, document = load_profile(shipped_profiles()[0])
     assert document["gpu"] == "a100-80gb" and 0 < float(calibration.matmul_compute_efficiency) < 1
     steps = {name: errors for name, errors in document["accuracy"]["datasets"].items() if ":step." in name}

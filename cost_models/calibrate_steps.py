@@ -1,0 +1,320 @@
+"""Calibrating the roofline on a user's own measured engine steps (``servetune calibrate --steps``).
+
+The input is a CSV with one measured step per row, the shape vLLM's step logs or a profiler give:
+
+    prefill_tokens, decode_requests, context_tokens, step_time_ms [, cached_prefix_tokens] [, prefill_requests]
+
+* ``prefill_tokens``: new prompt tokens the step computes (every prefill chunk's length, summed);
+* ``decode_requests``: requests that decode one token in the step;
+* ``context_tokens``: KV tokens those decodes attend, summed over them, each counting its own new token
+  (``Σ (cached + 1)``): at least ``decode_requests``, and 0 in a step without decodes;
+* ``step_time_ms``: the step's measured time in milliseconds;
+* ``cached_prefix_tokens`` (optional, default 0): prompt tokens of the step's prefill chunks already in the KV
+  cache (a prefix-cache hit or the earlier chunks of a chunked prefill), summed over the chunks;
+* ``prefill_requests`` (optional, default 1 in a step with prefill tokens): how many prompts the prefill tokens
+  belong to; they are taken to be equal chunks. Other columns are ignored.
+
+Only the parameters the steps can tell apart are fitted: the rows' sensitivity to every roofline parameter (the
+Jacobian of log step time at the starting calibration) is examined in a fixed order of preference, and a
+parameter is fitted when it moves the step times at all and is not (almost) a combination of those already
+chosen. Every per-step constant (kernel launches, attention setup, host time per step) moves every step by
+the same seconds, so only their sum is identifiable: it is fitted as ``per_step_overhead_s``, the others keep
+their starting values. The rest come from the starting calibration: the shipped profile of the GPU if there is
+one, else the datasheet defaults (or ``--initial``).
+
+Accuracy is reported per batch kind (prefill-only, decode-only, mixed) for the fit on every row (in-sample), for
+k-fold held-out predictions (every row of one step shape, its prefill tokens and decode count, held out
+together), and for the uncalibrated roofline (datasheet defaults) and the starting calibration.
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from servetune.cost_models.calibrate import (Dataset, FitStatus, _from_calibration, _to_calibration, error_summary,
+                                             fit_with_status, fold_of, predict)
+from servetune.cost_models.gpus import GpuSpec
+from servetune.cost_models.models import ModelSpec
+from servetune.cost_models.roofline import Calibration, build_roofline_params
+from servetune.errors import UserError, reading_user_file
+from servetune.types import StepBatch
+
+MS = 1e-3
+REQUIRED_COLUMNS = ("prefill_tokens", "decode_requests", "context_tokens", "step_time_ms")
+OPTIONAL_COLUMNS = ("cached_prefix_tokens", "prefill_requests")
+BATCH_KINDS = ("prefill-only", "decode-only", "mixed")
+MAX_COUNT = 2.0**31          # tokens or requests in one step; far above any engine's batch
+MAX_STEP_MS = 3.6e6          # an hour
+ROWS_PER_PARAMETER = 2
+# The order in which parameters are considered: the ones that carry most of a step's time first, so that a
+# parameter confounded with another is dropped in favour of the one that explains more.
+PREFERENCE = ("per_step_overhead_s", "matmul_memory_efficiency", "matmul_compute_efficiency",
+              "attention_memory_efficiency", "attention_compute_efficiency", "per_request_overhead_s",
+              "roofline_sharpness", "elementwise_memory_efficiency", "allreduce_efficiency", "allreduce_latency_s",
+              "kernel_overhead_s", "attention_overhead_s")
+# A parameter is identifiable when moving its unconstrained value by 1 (an efficiency's logit, a time's log)
+# moves the rows' log step times by at least MIN_SENSITIVITY (RMS), and at least MIN_INDEPENDENCE of that
+# movement is not already a combination of the chosen parameters' movements.
+MIN_SENSITIVITY = 1e-3
+MIN_INDEPENDENCE = 0.05
+
+
+@dataclass
+class StepRows:
+    """The measured steps of one CSV, one entry per row (float64 arrays)."""
+
+    path: Path
+    prefill_tokens: np.ndarray
+    decode_requests: np.ndarray
+    context_tokens: np.ndarray
+    cached_prefix_tokens: np.ndarray
+    prefill_requests: np.ndarray
+    step_time_s: np.ndarray
+    lines: np.ndarray = field(default_factory=lambda: np.zeros(0, int))   # the file line of each row
+
+    def __len__(self) -> int:
+        return len(self.step_time_s)
+
+    @property
+    def kind(self) -> np.ndarray:
+        """Each row's batch kind: prefill-only, decode-only or mixed."""
+        prefill, decode = self.prefill_tokens > 0, self.decode_requests > 0
+        return np.where(prefill & decode, "mixed", np.where(prefill, "prefill-only", "decode-only"))
+
+    def batch(self) -> StepBatch:
+        """The rows as the cost model's ``StepBatch``: the prefill tokens in ``prefill_requests`` equal chunks,
+        each on an equal share of the cached prefix."""
+        chunks = np.maximum(self.prefill_requests, 1.0)
+        q, cached = self.prefill_tokens, self.cached_prefix_tokens
+        return StepBatch(num_prefill_seqs=self.prefill_requests, prefill_tokens=q, prefill_context_tokens=cached + q,
+                         prefill_attention_pairs=q * (cached + q / 2) / chunks,
+                         num_decode_seqs=self.decode_requests, decode_context_tokens=self.context_tokens)
+
+    def subset(self, mask: np.ndarray) -> "StepRows":
+        def rows(values: np.ndarray) -> np.ndarray:
+            return values[mask] if values.shape == mask.shape else values
+
+        return StepRows(self.path, *(rows(getattr(self, f.name)) for f in dataclasses.fields(self)[1:]))
+
+
+def _number(text: Optional[str], where: str, name: str, expected: str, holds: Callable[[float], bool]) -> float:
+    text = "" if text is None else text.strip()
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and holds(value)):
+        raise UserError(f"{where}: {name}: got {text[:40]!r}, expected {expected}")
+    return value
+
+
+def _count(text: Optional[str], where: str, name: str) -> float:
+    return _number(text, where, name, f"a whole number from 0 to {MAX_COUNT:.0f}",
+                   lambda value: 0 <= value <= MAX_COUNT and value == int(value))
+
+
+def read_steps_csv(path: Path) -> StepRows:
+    """The steps of a CSV as the module docstring describes; a ``UserError`` naming the file, the row (and its
+    line), the field, the value and what was expected at the first row that breaks a rule."""
+    path = Path(path)
+    expected = "a CSV of measured steps with a header naming " + ", ".join(REQUIRED_COLUMNS)
+    values: dict[str, list[float]] = {name: [] for name in (*REQUIRED_COLUMNS, *OPTIONAL_COLUMNS)}
+    lines: list[int] = []
+    with reading_user_file(path, "steps CSV", expected, UserError), open(path, newline="", encoding="utf-8") as file:
+        reader = csv.reader(file)
+        try:
+            header = next(reader, None)
+            if header is None:
+                raise UserError(f"{path}: empty file, expected {expected}")
+            columns = {name.strip().lower(): i for i, name in enumerate(header)}
+            missing = [name for name in REQUIRED_COLUMNS if name not in columns]
+            if missing:
+                raise UserError(f"{path}: line 1: no column {', '.join(missing)} in the header, expected {expected} "
+                                f"(optionally {', '.join(OPTIONAL_COLUMNS)})")
+            for record in reader:
+                if not any(text.strip() for text in record):
+                    continue
+                where = f"{path}: row {len(lines) + 1} (line {reader.line_num})"
+
+                def text(name: str) -> Optional[str]:
+                    index = columns.get(name)
+                    return record[index] if index is not None and index < len(record) else None
+
+                row = _read_row(text, where, columns)
+                for name, value in row.items():
+                    values[name].append(value)
+                lines.append(reader.line_num)
+        except csv.Error as error:
+            raise UserError(f"{path}: line {reader.line_num}: unreadable CSV ({error})") from None
+    if not lines:
+        raise UserError(f"{path}: no steps below the header, expected {expected}")
+    arrays = {name: np.array(column, dtype=np.float64) for name, column in values.items()}
+    return StepRows(path, arrays["prefill_tokens"], arrays["decode_requests"], arrays["context_tokens"],
+                    arrays["cached_prefix_tokens"], arrays["prefill_requests"], arrays["step_time_ms"] * MS,
+                    np.array(lines))
+
+
+def _read_row(text: Callable[[str], Optional[str]], where: str, columns: dict) -> dict[str, float]:
+    for name in REQUIRED_COLUMNS:
+        if text(name) is None or not text(name).strip():
+            raise UserError(f"{where}: {name}: missing, expected a value in every row")
+    prefill = _count(text("prefill_tokens"), where, "prefill_tokens")
+    decodes = _count(text("decode_requests"), where, "decode_requests")
+    context = _count(text("context_tokens"), where, "context_tokens")
+    time_ms = _number(text("step_time_ms"), where, "step_time_ms", f"a time in ms above 0 (at most {MAX_STEP_MS:g})",
+                      lambda value: 0 < value <= MAX_STEP_MS)
+    if prefill == 0 and decodes == 0:
+        raise UserError(f"{where}: prefill_tokens, decode_requests: got 0 and 0, expected a step that computes "
+                        f"something (prefill tokens, decodes or both)")
+    if decodes > 0 and context < decodes:
+        raise UserError(f"{where}: context_tokens: got {context:g}, expected at least decode_requests "
+                        f"({decodes:g}): every decode attends at least its own token")
+    if decodes == 0 and context > 0:
+        raise UserError(f"{where}: context_tokens: got {context:g}, expected 0 in a step without decodes "
+                        f"(context_tokens counts the KV tokens the decodes attend)")
+    cached_text = text("cached_prefix_tokens")
+    cached = _count(cached_text, where, "cached_prefix_tokens") if cached_text and cached_text.strip() else 0.0
+    if cached > 0 and prefill == 0:
+        raise UserError(f"{where}: cached_prefix_tokens: got {cached:g}, expected 0 in a step without prefill "
+                        f"tokens (it counts the cached prompt tokens of the step's prefill chunks)")
+    chunks_text = text("prefill_requests")
+    if chunks_text and chunks_text.strip():
+        chunks = _count(chunks_text, where, "prefill_requests")
+        if prefill > 0 and not 1 <= chunks <= prefill:
+            raise UserError(f"{where}: prefill_requests: got {chunks:g}, expected 1 to prefill_tokens "
+                            f"({prefill:g}): every prefilled prompt computes at least one token")
+        if prefill == 0 and chunks > 0:
+            raise UserError(f"{where}: prefill_requests: got {chunks:g}, expected 0 in a step without prefill tokens")
+    else:
+        chunks = 1.0 if prefill > 0 else 0.0
+    return {"prefill_tokens": prefill, "decode_requests": decodes, "context_tokens": context,
+            "step_time_ms": time_ms, "cached_prefix_tokens": cached, "prefill_requests": chunks}
+
+
+def steps_dataset(rows: StepRows, model: ModelSpec, gpu: GpuSpec, tp: int, gpu_time_only: bool = False) -> Dataset:
+    """The rows as a calibration data set of whole steps of ``model`` on ``tp`` ``gpu``s. ``gpu_time_only``: the
+    times are GPU kernel time (a profiler's sum), without the host's per-step and per-request time."""
+    geometry = build_roofline_params(model, gpu, tp)
+    geometry = jax.tree_util.tree_map(lambda leaf: np.float64(leaf), geometry)
+    shape = np.unique(np.stack([rows.prefill_tokens, rows.decode_requests], axis=1), axis=0, return_inverse=True)[1]
+    return Dataset(name="steps", kind="gpu_step" if gpu_time_only else "step", measured_s=rows.step_time_s,
+                   fold_key=np.asarray(shape).reshape(-1).astype(int), key_space="shape",
+                   features={"params": geometry, "batch": rows.batch()})
+
+
+def sensitivities(dataset: Dataset, gpu: GpuSpec, initial: Calibration,
+                  names: tuple[str, ...] = PREFERENCE) -> np.ndarray:
+    """d log(step time) / d(unconstrained parameter) for every row and parameter of ``names`` at ``initial``."""
+    all_names = tuple(f.name for f in dataclasses.fields(Calibration))
+    with jax.enable_x64(True):
+        base = Calibration(**{name: jnp.float64(float(getattr(initial, name))) for name in all_names})
+
+        def log_times(theta):
+            return jnp.log(predict(dataset, _to_calibration(theta, names, base), gpu))
+
+        theta = jnp.asarray(_from_calibration(initial, names))
+        return np.asarray(jax.jacfwd(log_times)(theta), dtype=np.float64)
+
+
+def identifiable_parameters(dataset: Dataset, gpu: GpuSpec, initial: Calibration) -> tuple[list[str], dict[str, str]]:
+    """The parameters the rows can determine, in ``PREFERENCE`` order, and why each other one is left out."""
+    jacobian = sensitivities(dataset, gpu, initial)
+    chosen: list[str] = []
+    basis = np.zeros((jacobian.shape[0], 0))
+    left_out: dict[str, str] = {}
+    for name, column in zip(PREFERENCE, jacobian.T):
+        size = float(np.sqrt(np.mean(column**2)))
+        if size < MIN_SENSITIVITY:
+            left_out[name] = "does not move these steps' times"
+            continue
+        residual = column - basis @ (basis.T @ column)
+        independence = float(np.linalg.norm(residual) / np.linalg.norm(column))
+        if independence < MIN_INDEPENDENCE:
+            left_out[name] = "moves these steps' times only as the fitted ones do"
+            continue
+        chosen.append(name)
+        basis = np.concatenate([basis, (residual / np.linalg.norm(residual))[:, None]], axis=1)
+    return chosen, left_out
+
+
+@dataclass
+class StepsCalibration:
+    calibration: Calibration     # fitted on every row
+    fitted: list[str]            # the parameters fitted; every other keeps the starting value
+    left_out: dict[str, str]     # the parameters not fitted, and why
+    status: FitStatus            # of the fit on every row
+    converged: bool              # that fit and every fold's
+    report: dict                 # errors per batch kind
+    held_out_s: np.ndarray       # every row's time predicted by the fit without its fold
+
+
+def _by_kind(measured_s: np.ndarray, kinds: np.ndarray, predictions: dict[str, np.ndarray]) -> dict:
+    summary = {}
+    for kind in (*BATCH_KINDS, "all"):
+        mask = np.ones(len(measured_s), bool) if kind == "all" else kinds == kind
+        if mask.any():
+            summary[kind] = {label: error_summary(measured_s[mask], predicted[mask])
+                             for label, predicted in predictions.items()}
+    return summary
+
+
+def calibrate_steps(rows: StepRows, model: ModelSpec, gpu: GpuSpec, tp: int, initial: Calibration,
+                    names: Optional[list[str]] = None, folds: int = 5, seed: int = 0, gpu_time_only: bool = False,
+                    progress: Callable[[str], None] = lambda message: None) -> StepsCalibration:
+    """Fit ``names`` (default: the identifiable parameters) to the rows, starting from ``initial``; report the
+    in-sample and k-fold held-out errors per batch kind next to the uncalibrated roofline's and ``initial``'s."""
+    dataset = steps_dataset(rows, model, gpu, tp, gpu_time_only)
+    return calibrate_dataset(dataset, rows.kind, gpu, initial, names, folds, seed, str(rows.path), progress)
+
+
+def calibrate_dataset(dataset: Dataset, kinds: np.ndarray, gpu: GpuSpec, initial: Calibration,
+                      names: Optional[list[str]] = None, folds: int = 5, seed: int = 0, label: str = "steps",
+                      progress: Callable[[str], None] = lambda message: None) -> StepsCalibration:
+    """``calibrate_steps`` on a data set of whole steps (any step kind ``predict`` knows), each row's batch kind
+    given by ``kinds``; ``label`` starts the error messages."""
+    identifiable, left_out = identifiable_parameters(dataset, gpu, initial)
+    if names is None:
+        names = identifiable
+    else:
+        left_out = {name: "not asked for (--fit)" for name in PREFERENCE if name not in names}
+    if not names:
+        raise UserError(f"{label}: these steps move none of the roofline's parameters; nothing to fit")
+    rows = len(dataset.measured_s)
+    needed = ROWS_PER_PARAMETER * len(names)
+    if rows < needed:
+        raise UserError(f"{label}: {rows} rows, expected at least {needed} to fit {len(names)} parameters "
+                        f"({ROWS_PER_PARAMETER} a parameter: {', '.join(names)})")
+    shapes = len(np.unique(dataset.fold_key))
+    if shapes < 2:
+        raise UserError(f"{label}: every row has the same prefill_tokens and decode_requests, expected at least "
+                        f"2 step shapes (a held-out error needs a shape the fit did not see)")
+    folds = min(folds, shapes)
+    progress(f"fitting {len(names)} parameters ({', '.join(names)}) on {rows} steps")
+    calibration, status = fit_with_status([dataset], gpu, initial, tuple(names))
+    converged = status.converged
+    progress(f"{folds}-fold cross-validation by step shape")
+    assignment = fold_of([dataset], folds, seed)[0]
+    held_out = np.full(rows, np.nan)
+    for k in range(folds):
+        training = dataset.subset(assignment != k)
+        fold_calibration, fold_status = fit_with_status([training], gpu, initial, tuple(names))
+        converged = converged and fold_status.converged
+        held = assignment == k
+        held_out[held] = np.asarray(predict(dataset.subset(held), fold_calibration, gpu))
+    predictions = {"fit": np.asarray(predict(dataset, calibration, gpu)), "held_out": held_out,
+                   "uncalibrated": np.asarray(predict(dataset, Calibration().as_float32(), gpu)),
+                   "initial": np.asarray(predict(dataset, initial.as_float32(), gpu))}
+    report = {"folds": folds, "fold_by": "step shape (prefill_tokens, decode_requests)",
+              "fitted": list(names), "left_out": left_out, "converged": converged,
+              "optimizer": {"message": status.message, "iterations": status.iterations, "loss": status.loss},
+              "batch_kinds": _by_kind(dataset.measured_s, kinds, predictions)}
+    return StepsCalibration(calibration=calibration, fitted=list(names), left_out=left_out, status=status,
+                            converged=converged, report=report, held_out_s=held_out)
