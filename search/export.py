@@ -38,7 +38,7 @@ from typing import Any, Callable, Optional
 import yaml
 
 from servetune.config import Config, SchedulerConfig
-from servetune.errors import UserError
+from servetune.errors import UserError, show_yaml
 
 ENGINES = ("vllm", "sglang", "trtllm", "tgi", "servetune")
 POLICY_FORMAT_VERSION = 1
@@ -124,12 +124,8 @@ def _unexpressed(config: Config, expressed: set[str], engine: str,
     for key, value in in_effect(config).items():
         covered = value in policies if key == "scheduler.policy" else key in expressed
         if not covered and not (key in defaults and defaults[key] == value):
-            unexpressed.append(f"{engine} cannot express {key}={_show(value)}")
+            unexpressed.append(f"{engine} cannot express {key}={show_yaml(value, quote_text=False)}")
     return unexpressed
-
-
-def _show(value: Any) -> str:
-    return "null" if value is None else str(value).lower() if isinstance(value, bool) else f"{value}"
 
 
 def memory_utilization_for(config: Config) -> float:

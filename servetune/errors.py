@@ -1,7 +1,8 @@
 """Errors in what the user gave us (a config, an override, a trace), as opposed to bugs in servetune.
 
 The CLI prints a ``UserError`` as it is and exits with status 2, without a traceback, so its text must
-stand alone: one line naming the file, the field, the value found and what was expected.
+stand alone: one line naming the file, the field, the value found and what was expected. An error may carry
+several such lines (a config with several bad fields): the CLI prints each on its own.
 """
 from __future__ import annotations
 
@@ -11,12 +12,17 @@ from typing import Iterator, Optional
 
 
 class UserError(Exception):
-    """An error in the user's input; ``str()`` is a single line."""
+    """An error in the user's input: one line per message (``lines``); ``str()`` joins them, one per line."""
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, *more: str) -> None:
         # Parts of a message may come from elsewhere (a YAML parser's problem text, a bad field value);
-        # joining its lines keeps the promise of one line whatever they contain.
-        super().__init__(" ".join(part.strip() for part in message.splitlines() if part.strip()))
+        # joining its lines keeps the promise of one line per message whatever they contain.
+        self.lines = tuple(" ".join(part.strip() for part in text.splitlines() if part.strip())
+                           for text in (message, *more))
+        super().__init__(*self.lines)
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines)
 
 
 class ConfigError(UserError):
@@ -54,7 +60,7 @@ def in_config(source: Optional[str]) -> Iterator[None]:
     except ConfigError as error:
         if source is None:
             raise
-        raise ConfigError(f"{source}: {error}") from None
+        raise ConfigError(*(f"{source}: {line}" for line in error.lines)) from None
 
 
 class InvalidValue(UserError):
@@ -77,3 +83,48 @@ def parse_json(text: str, path, expected: str):
     except (ValueError, RecursionError):   # a number past Python's digit limit; nesting past its recursion limit
         raise UserError(f"{path}: not JSON that Python reads (a number with too many digits, or nesting too "
                         f"deep), expected {expected}") from None
+
+
+# --- showing a bad value in a message ------------------------------------------------------------------------
+# One line whatever the value holds, cut to SHOWN_CHARS so that a runaway value still gives a readable message.
+
+SHOWN_CHARS = 60
+
+
+def shorten(text: str, limit: int = SHOWN_CHARS) -> str:
+    """``text`` cut to ``limit`` characters, with "..." when it was longer."""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def show_text(text: str) -> str:
+    """Text read from a user's file (a CSV field), quoted, cut short: ``'12x'``."""
+    return repr(shorten(text))
+
+
+def show_json(value) -> str:
+    """A parsed JSON value as JSON text (ASCII, so one line), cut short: ``{"a": [1, 2]}``."""
+    return shorten(json.dumps(value))
+
+
+def show_yaml(value, *, quote_text: bool = True) -> str:
+    """A value as a YAML file or ``--set`` writes it (null, true, 3.5, .inf, 'text', [1, 4], {a: 1}), cut short;
+    ``quote_text=False`` leaves text bare, as in ``--set scheduler.policy=static``."""
+    return shorten(_as_yaml(value, quote_text))
+
+
+def _as_yaml(value, quote_text: bool) -> str:
+    import math
+
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return repr(value) if quote_text else value
+    if isinstance(value, float) and not math.isfinite(value):
+        return ".nan" if math.isnan(value) else ("-.inf" if value < 0 else ".inf")
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_as_yaml(item, quote_text) for item in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{key}: {_as_yaml(item, quote_text)}" for key, item in value.items()) + "}"
+    return str(value)

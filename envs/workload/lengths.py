@@ -19,7 +19,7 @@ from typing import Callable
 import numpy as np
 
 from servetune.config import MAX_TOKEN_COUNT, LengthsConfig
-from servetune.errors import TraceError, reading_user_file
+from servetune.errors import TraceError, reading_user_file, show_text
 
 # A log-normal draw is rounded in float64 and then made an integer; above 2**53 floats skip integers and
 # beyond int64 the cast is undefined. Anything above MAX_TOKEN_COUNT is cut later anyway.
@@ -104,11 +104,6 @@ LENGTH_SAMPLERS: dict[str, Callable[[LengthsConfig, int, np.random.Generator], T
 
 
 _INTEGER = re.compile(r"[0-9]+")
-_SHOWN_CHARS = 40   # of a bad field's text, so that a runaway field still gives a readable one-line message
-
-
-def _show(text: str) -> str:
-    return repr(text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS] + "...")
 
 
 def read_length_sample(path) -> tuple[np.ndarray, np.ndarray]:
@@ -141,7 +136,7 @@ def read_length_sample(path) -> tuple[np.ndarray, np.ndarray]:
                     # The length test first: int() refuses digit strings past Python's limit with its own error.
                     if (_INTEGER.fullmatch(text) is None or len(text) > len(str(MAX_TOKEN_COUNT))
                             or not 1 <= int(text) <= MAX_TOKEN_COUNT):
-                        raise TraceError(f"{where}: {name}: got {_show(text)}, expected {expected}")
+                        raise TraceError(f"{where}: {name}: got {show_text(text)}, expected {expected}")
                     column.append(int(text))
         except csv.Error as error:
             raise TraceError(f"{path}: line {reader.line_num}: unreadable CSV ({error})") from None

@@ -43,16 +43,11 @@ import numpy as np
 
 from servetune.config import MAX_CLOCK_S, MAX_TOKEN_COUNT
 from servetune.envs.workload.requests import NO_PREFIX, Workload
-from servetune.errors import TraceError, reading_user_file
+from servetune.errors import TraceError, reading_user_file, show_json, show_text
 
 Timestamp = Union[int, float]
 
-_SHOWN_CHARS = 40   # of a bad field's text, so that a runaway field still gives a readable one-line message
 _TOKEN_COUNT_EXPECTATION = f"an integer in [1, {MAX_TOKEN_COUNT}]"
-
-
-def _show(text: str) -> str:
-    return repr(text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS] + "...")
 
 
 def _read_text(path: Path, expected: str) -> str:
@@ -305,7 +300,7 @@ def _read_rows(reader, path: Path, layout: _CsvLayout) -> tuple[list, list[int],
             timestamp = layout.read_timestamp(timestamp_text)
         except ValueError:
             raise TraceError(
-                f"{where()}: {layout.timestamp_column}: got {_show(timestamp_text)}, "
+                f"{where()}: {layout.timestamp_column}: got {show_text(timestamp_text)}, "
                 f"expected {layout.timestamp_expectation}"
             ) from None
         if timestamp < previous_timestamp:
@@ -317,7 +312,7 @@ def _read_rows(reader, path: Path, layout: _CsvLayout) -> tuple[list, list[int],
             first_timestamp, first_text = timestamp, timestamp_text
         if layout.clock_s(first_timestamp, timestamp) > MAX_CLOCK_S:
             raise TraceError(
-                f"{where()}: {layout.timestamp_column}: got {_show(timestamp_text)}, expected at most "
+                f"{where()}: {layout.timestamp_column}: got {show_text(timestamp_text)}, expected at most "
                 f"{MAX_CLOCK_S:g} s after the first row's {first_text} (the simulated clock's range)"
             )
         previous_timestamp, previous_text = timestamp, timestamp_text
@@ -327,7 +322,7 @@ def _read_rows(reader, path: Path, layout: _CsvLayout) -> tuple[list, list[int],
             try:
                 values.append(read(text))
             except ValueError:
-                raise TraceError(f"{where()}: {column}: got {_show(text)}, expected {expectation}") from None
+                raise TraceError(f"{where()}: {column}: got {show_text(text)}, expected {expectation}") from None
         timestamps.append(timestamp)
         prompt_tokens.append(values[0])
         output_tokens.append(values[1])
@@ -372,12 +367,6 @@ _MOONCAKE_EXPECTATIONS = {
 }
 
 
-def _show_json(value: Any) -> str:
-    """A parsed JSON value as JSON text (ASCII, so one line whatever it holds), cut to a readable length."""
-    text = json.dumps(value)
-    return text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS] + "..."
-
-
 def _read_milliseconds(value: Any) -> float:
     # bool is a subclass of int in Python, but `true` is no timestamp.
     if type(value) not in (int, float):
@@ -393,7 +382,7 @@ def _read_milliseconds(value: Any) -> float:
 
 def _show_milliseconds(milliseconds: float) -> str:
     # As the trace most likely wrote it: 1500000, not 1500000.0 or 1.5e+06.
-    return _show_json(int(milliseconds) if milliseconds.is_integer() else milliseconds)
+    return show_json(int(milliseconds) if milliseconds.is_integer() else milliseconds)
 
 
 def _is_token_count(value: Any) -> bool:
@@ -414,7 +403,7 @@ def _read_mooncake_request(line: str, where: str) -> tuple[float, int, int, list
         raise TraceError(f"{where}: JSON nested too deeply; expected one flat JSON object per line") from None
     if type(request) is not dict:
         raise TraceError(
-            f"{where}: got {_show_json(request)}, expected a JSON object with the fields "
+            f"{where}: got {show_json(request)}, expected a JSON object with the fields "
             f"{', '.join(_MOONCAKE_FIELDS)} (mooncake format)"
         )
     for field in _MOONCAKE_FIELDS:
@@ -422,7 +411,7 @@ def _read_mooncake_request(line: str, where: str) -> tuple[float, int, int, list
             raise TraceError(f"{where}: {field}: missing, expected {_MOONCAKE_EXPECTATIONS[field]}")
 
     def bad(field: str, value: Any, expectation: str) -> TraceError:
-        return TraceError(f"{where}: {field}: got {_show_json(value)}, expected {expectation}")
+        return TraceError(f"{where}: {field}: got {show_json(value)}, expected {expectation}")
 
     try:
         milliseconds = _read_milliseconds(request["timestamp"])
