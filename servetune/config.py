@@ -1,13 +1,18 @@
-"""The simulation config: plain frozen dataclasses mirroring the YAML sections.
+"""The simulation config: plain frozen dataclasses mirroring the YAML sections, each field's type, range
+(``Field(ge=..., le=...)``) and choices (``Literal``) written beside it.
 
-Knob names follow vLLM's flags so that exported configs are obvious. Loading and validation live in
-``servetune.config_loader``; everything downstream receives an already-valid ``Config``.
+Knob names follow vLLM's flags so that exported configs are obvious. ``servetune.config_loader`` validates a
+file against these classes with pydantic (unknown keys refused, every bad field reported at once) and adds the
+rules that relate fields; everything downstream receives an already-valid ``Config``. The classes stay stdlib
+dataclasses: building or ``dataclasses.replace``-ing one validates nothing.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Annotated, Any, Literal, Optional
+
+from pydantic import ConfigDict, Field, Strict
 
 # ---------------------------------------------------------------------------------------------------------
 # What the engine's numbers hold (envs/sim/engine.py). Token and block counts are int32 and the engine adds them up
@@ -31,81 +36,120 @@ MIN_RATE = 1e-6                # requests per second, and the smallest rate or t
 MAX_SCALE = 1e6                # rate_scale and time_scale
 MAX_SEED = 2**32 - 1           # NumPy's and Optuna's seeds are 32-bit
 
+# ---------------------------------------------------------------------------------------------------------
+# Field types. Values are taken as written, never coerced: `true` is no count, '12' no number, 1.5 no integer;
+# an integer widens to a float. VALIDATION (the roots' pydantic config, which the sections inherit) refuses
+# unknown keys, NaN and infinities.
+
+VALIDATION = ConfigDict(extra="forbid", allow_inf_nan=False)
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict()]
+Bool = Annotated[bool, Strict()]
+Text = Annotated[str, Strict(), Field(pattern=r"\S")]      # not empty or blank
+
+# The ranges many fields share: the engine's bounds above, so that no count wraps and the clock keeps its resolution.
+TokenCount = Annotated[Int, Field(ge=1, le=MAX_TOKEN_COUNT)]
+ModelLen = Annotated[Int, Field(ge=2, le=MAX_TOKEN_COUNT)]   # a prompt token and an output token
+Requests = Annotated[Int, Field(ge=1, le=MAX_NUM_REQUESTS)]
+Seed = Annotated[Int, Field(ge=0, le=MAX_SEED)]            # NumPy's default_rng takes no negative seeds
+Seconds = Annotated[Float, Field(gt=0, le=MAX_CLOCK_S)]
+SecondsOrZero = Annotated[Float, Field(ge=0, le=MAX_CLOCK_S)]
+Milliseconds = Annotated[Float, Field(gt=0, le=MAX_CLOCK_S * 1000)]
+Rate = Annotated[Float, Field(ge=MIN_RATE, le=MAX_RATE)]
+Scale = Annotated[Float, Field(ge=MIN_RATE, le=MAX_SCALE)]
+Fraction = Annotated[Float, Field(gt=0, le=1)]
+LogSpread = Annotated[Float, Field(ge=0, le=20)]   # a log-normal spread of e^20 per sigma spans every length there is
+
 
 @dataclass(frozen=True)
 class HardwareConfig:
-    gpu: str = "a100-80gb"
-    tp: int = 1
-    gpu_memory_utilization: float = 0.92   # fraction of GPU memory the engine may use (vLLM's flag)
+    gpu: Text = "a100-80gb"
+    tp: Annotated[Int, Field(ge=1, le=1024)] = 1
+    gpu_memory_utilization: Fraction = 0.92   # fraction of GPU memory the engine may use (vLLM's flag)
 
 
 @dataclass(frozen=True)
 class CostModelConfig:
-    kind: str = "linear"             # linear | roofline | calibrated
-    profile: Optional[str] = None    # calibrated: path of a fitted profile JSON
-    base_s: float = 0.010
-    per_token_s: float = 0.00003
-    per_context_token_s: float = 0.0000002
+    kind: Literal["linear", "roofline", "calibrated"] = "linear"
+    profile: Optional[Text] = None   # calibrated: path of a fitted profile JSON
+    # A step costs at most an hour, and a token or a context token a second: far beyond any GPU, within float32.
+    base_s: Annotated[Float, Field(ge=0, le=3600)] = 0.010
+    per_token_s: Annotated[Float, Field(ge=0, le=1)] = 0.00003
+    per_context_token_s: Annotated[Float, Field(ge=0, le=1)] = 0.0000002
 
 
 @dataclass(frozen=True)
 class ArrivalsConfig:
-    kind: str = "poisson"            # poisson | gamma | onoff | piecewise | servegen | trace
-    rate: Optional[float] = 4.0      # poisson, gamma: requests per second; onoff: the rate while on
-    cv: Optional[float] = None       # gamma: coefficient of variation of the gaps (1 is Poisson; > 1 bursty)
-    on_s: Optional[float] = None     # onoff: seconds of arrivals at `rate` ...
-    off_s: Optional[float] = None    # ... then seconds of silence, repeating
+    kind: Literal["poisson", "gamma", "onoff", "piecewise", "servegen", "trace"] = "poisson"
+    rate: Optional[Rate] = 4.0       # poisson, gamma: requests per second; onoff: the rate while on
+    # gamma: coefficient of variation of the gaps (1 is Poisson; > 1 bursty)
+    cv: Optional[Annotated[Float, Field(ge=1e-3, le=1e3)]] = None
+    on_s: Optional[Seconds] = None   # onoff: seconds of arrivals at `rate` ...
+    off_s: Optional[SecondsOrZero] = None   # ... then seconds of silence, repeating
     profile: Any = None              # piecewise: [[start_s, rate], ...], each rate held until the next start
-    time_scale: float = 1.0          # piecewise, servegen: the profile plays this many times faster
-    path: Optional[str] = None       # trace, servegen: file path, relative to the config file's folder
-    format: Optional[str] = None     # trace: azure | mooncake | processed | servetune
-    rate_scale: float = 1.0          # trace: 2.0 doubles the arrival rate; servegen: multiplies every rate
-    window_start_s: float = 0.0      # trace: replay from this second of the trace's clock ...
-    window_s: Optional[float] = None  # ... for this many seconds (null: to the end)
-    jitter_s: float = 0.0            # trace: spread each timestamp uniformly over [t, t + jitter_s)
+    time_scale: Scale = 1.0          # piecewise, servegen: the profile plays this many times faster
+    path: Optional[Text] = None      # trace, servegen: file path, relative to the config file's folder
+    format: Optional[Literal["azure", "processed", "servetune", "mooncake"]] = None   # trace: TRACE_PARSERS
+    rate_scale: Scale = 1.0          # trace: 2.0 doubles the arrival rate; servegen: multiplies every rate
+    window_start_s: SecondsOrZero = 0.0    # trace: replay from this second of the trace's clock ...
+    window_s: Optional[Seconds] = None     # ... for this many seconds (null: to the end)
+    jitter_s: SecondsOrZero = 0.0    # trace: spread each timestamp uniformly over [t, t + jitter_s)
 
 
 @dataclass(frozen=True)
 class LengthsConfig:
-    kind: str = "fixed"              # fixed | uniform | geometric | lognormal | empirical | trace
+    kind: Literal["fixed", "uniform", "geometric", "lognormal", "empirical", "trace"] = "fixed"
     prompt_tokens: Any = 512         # fixed: int; uniform: [low, high] inclusive; geometric: the mean;
-    output_tokens: Any = 128         # lognormal: {median: m, sigma: s}; empirical, trace: unused
-    path: Optional[str] = None       # empirical: a CSV with num_prefill_tokens,num_decode_tokens columns
+    output_tokens: Any = 128         # lognormal: {median: m, sigma: s} (LognormalConfig); empirical, trace: unused
+    path: Optional[Text] = None      # empirical: a CSV with num_prefill_tokens,num_decode_tokens columns
+
+
+@dataclass(frozen=True)
+class LognormalConfig:
+    """One side of ``lengths: {kind: lognormal}``, as written: the loader makes it envs/workload/lengths.py's
+    ``LognormalSpec``, ``round(median · exp(sigma · Z))``."""
+    __pydantic_config__ = VALIDATION
+    median: Annotated[Float, Field(ge=1, le=MAX_TOKEN_COUNT)]
+    sigma: LogSpread
 
 
 @dataclass(frozen=True)
 class TenantConfig:
     """One tenant (or request class) of a generated workload."""
-    name: str = "default"
-    share: float = 1.0               # its fraction of the arrivals (shares are normalised)
+    name: Text = "default"
+    share: Annotated[Float, Field(gt=0, le=1e6)] = 1.0   # its fraction of the arrivals (shares are normalised)
     arrivals: Optional[ArrivalsConfig] = None  # its own arrival process (a client with its own day); set it
                                      # for every tenant or none: the streams merge, and share is unused
-    priority: int = 0                # lower is served first by the priority order
+    # lower is served first by the priority order; the trace readers' int32 range
+    priority: Annotated[Int, Field(ge=-(2**31), le=2**31 - 1)] = 0
     lengths: Optional[LengthsConfig] = None   # null: the workload's lengths
-    slo: Optional["SloConfig"] = None         # null: the config's slo; a class SLO sets edf deadlines
-    prefix_tokens: int = 0           # its requests start with one of `prefix_groups` shared prefixes
-    prefix_groups: int = 1           # of this many tokens (a system prompt, a RAG document)
-    max_rate: Optional[float] = None  # admission: a token bucket refilling at this many requests/s ...
-    max_burst: int = 1               # ... holding this many; an arrival finding it empty is rejected
+    slo: Optional[SloConfig] = None           # null: the config's slo; a class SLO sets edf deadlines
+    # its requests start with one of `prefix_groups` shared prefixes of `prefix_tokens` (a system prompt, a document)
+    prefix_tokens: Annotated[Int, Field(ge=0, le=MAX_TOKEN_COUNT - 1)] = 0
+    prefix_groups: Requests = 1
+    max_rate: Optional[Rate] = None  # admission: a token bucket refilling at this many requests/s ...
+    max_burst: Requests = 1          # ... holding this many; an arrival finding it empty is rejected
 
 
 @dataclass(frozen=True)
 class SessionsConfig:
     """Closed-loop agent sessions: the arrival process starts sessions; each next call of a session arrives
     ``think_s`` after the previous call finished (or was rejected)."""
-    calls: int = 2                   # calls per session; num_requests counts calls and is a multiple of it
+    calls: Requests = 2              # calls per session; num_requests counts calls and is a multiple of it
     think_s: Any = 1.0               # the tool's time between calls: a number > 0, or [low, high] drawn uniformly
-    history: bool = False            # each call's prompt also carries the session's earlier prompts and answers
+    history: Bool = False            # each call's prompt also carries the session's earlier prompts and answers
 
 
 @dataclass(frozen=True)
 class WorkloadConfig:
     arrivals: ArrivalsConfig = field(default_factory=ArrivalsConfig)
     lengths: Optional[LengthsConfig] = field(default_factory=LengthsConfig)
-    num_requests: Optional[int] = 2000
-    seed: int = 0
-    max_model_len: Optional[int] = None   # prompt + output cut to this many tokens; cuts are counted
-    tenants: Any = None              # a list of TenantConfig mappings; null: one tenant
+    num_requests: Optional[Requests] = 2000
+    seed: Seed = 0
+    max_model_len: Optional[ModelLen] = None   # prompt + output cut to this many tokens; cuts are counted
+    # null: one tenant. A field's description, when it has one, is what the loader says a bad value should be.
+    tenants: Optional[Annotated[tuple[TenantConfig, ...], Field(min_length=1, description=(
+        "a non-empty list of tenants, such as [{name: chat, share: 0.8}, {name: batch, share: 0.2}]"))]] = None
     sessions: Optional[SessionsConfig] = None   # null: open-loop arrivals, every request on its own
 
     @property
@@ -116,26 +160,28 @@ class WorkloadConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    policy: str = "continuous"       # continuous | static
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 0
-    block_size: int = 16
-    num_kv_blocks: Optional[int] = None    # vLLM's num_gpu_blocks (block 0 is its null block, so one fewer usable);
-                                           # null: derived from the model, GPU, TP and gpu_memory_utilization
-    watermark: float = 0.0
-    max_num_queued_reqs: Optional[int] = None   # vLLM's API server refuses arrivals beyond this many unfinished
-    max_model_len: Optional[int] = None    # prompts this long are refused at arrival, outputs cut to fit; null:
+    policy: Literal["continuous", "static"] = "continuous"
+    max_num_seqs: Annotated[Int, Field(ge=1, le=MAX_NUM_SEQS)] = 64
+    max_num_batched_tokens: TokenCount = 2048
+    enable_chunked_prefill: Bool = True
+    long_prefill_token_threshold: Annotated[Int, Field(ge=0, le=MAX_TOKEN_COUNT)] = 0
+    block_size: TokenCount = 16
+    # vLLM's num_gpu_blocks (block 0 is its null block, so one fewer usable); null: derived from the model, GPU,
+    # TP and gpu_memory_utilization
+    num_kv_blocks: Optional[Annotated[Int, Field(ge=1, le=MAX_KV_TOKENS)]] = None
+    watermark: Annotated[Float, Field(ge=0, lt=1)] = 0.0
+    # vLLM's API server refuses arrivals beyond this many unfinished
+    max_num_queued_reqs: Optional[Annotated[Int, Field(ge=0, le=MAX_NUM_REQUESTS)]] = None
+    max_model_len: Optional[ModelLen] = None   # prompts this long are refused at arrival, outputs cut to fit; null:
                                            # the workload's, else the model's context, else what the KV holds
-    async_scheduling: Optional[bool] = None  # null: vLLM 0.33's default, on for continuous batching
-    reserve_full_prompt: bool = True       # vLLM's scheduler_reserve_full_isl: admit only if the whole prompt fits
-    batch_size: int = 32             # static only
-    max_wait_s: float = 1.0          # static only
-    queue_order: str = "fcfs"        # fcfs | priority | sjf | fair | edf | weighted
+    async_scheduling: Optional[Bool] = None  # null: vLLM 0.33's default, on for continuous batching
+    reserve_full_prompt: Bool = True       # vLLM's scheduler_reserve_full_isl: admit only if the whole prompt fits
+    batch_size: Annotated[Int, Field(ge=1, le=MAX_NUM_SEQS)] = 32   # static only
+    max_wait_s: SecondsOrZero = 1.0  # static only
+    queue_order: Literal["fcfs", "priority", "sjf", "fair", "edf", "weighted"] = "fcfs"
     priority_weights: Any = None     # weighted: {feature: weight} over the features in envs/sim/queue_order.py
-    length_prediction_noise: float = 0.0   # sjf: sigma of the predictor's log error (0: the true length)
-    enable_prefix_caching: bool = False
+    length_prediction_noise: LogSpread = 0.0   # sjf: sigma of the predictor's log error (0: the true length)
+    enable_prefix_caching: Bool = False
 
     @property
     def usable_kv_blocks(self) -> int:
@@ -186,24 +232,25 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class SloConfig:
-    ttft_ms: Optional[float] = None
-    itl_ms: Optional[float] = None
-    tpot_ms: Optional[float] = None
-    e2el_ms: Optional[float] = None
-    attainment_target: float = 0.9
+    ttft_ms: Optional[Milliseconds] = None
+    itl_ms: Optional[Milliseconds] = None
+    tpot_ms: Optional[Milliseconds] = None
+    e2el_ms: Optional[Milliseconds] = None
+    attainment_target: Fraction = 0.9
 
 
 @dataclass(frozen=True)
 class SimulationConfig:
-    horizon_s: Optional[float] = None  # stop the clock here; requests still in flight are unfinished
+    horizon_s: Optional[Seconds] = None  # stop the clock here; requests still in flight are unfinished
 
 
 @dataclass(frozen=True)
 class KnobConfig:
     """One searched knob: a range (``low``..``high``, optionally on a log scale or in steps) or ``choices``."""
+    __pydantic_config__ = VALIDATION
     low: Any = None                  # low, high, step: numbers of the knob's own type (int or float)
     high: Any = None
-    log: bool = False
+    log: Bool = False
     step: Any = None
     choices: Any = None              # a list of values; the loader keeps it as a tuple
 
@@ -214,14 +261,14 @@ class SearchConfig:
     knobs: Any = None                # {scheduler.max_num_seqs: {low: 1, high: 512, log: true}, ...}; null: defaults
                                      # per policy (search/study/space.py); kept as a tuple of (key, KnobConfig) pairs
     objectives: Any = ("goodput",)   # any of goodput, p99_ttft, p99_itl, gpus
-    sampler: str = "tpe"             # tpe | cmaes | nsga2 | gp | random | grid
-    trials: int = 100
-    batch_size: int = 8              # trials simulated together in one vmapped call
-    seed: int = 0                    # the sampler's seed: the same seed gives the same study
+    sampler: Literal["tpe", "cmaes", "nsga2", "gp", "random", "grid"] = "tpe"
+    trials: Requests = 100
+    batch_size: Annotated[Int, Field(ge=1, le=4096)] = 8   # trials simulated together in one vmapped call
+    seed: Seed = 0                   # the sampler's seed: the same seed gives the same study
     workload_seeds: Any = None       # [0, 1, 2]: every trial runs each seed, reports the mean and keeps the spread
     scenarios: Any = None            # [{workload.arrivals.rate: 6.0}, ...]: every trial runs each variant of the config
-    aggregate: str = "mean"          # mean | worst: how the scenarios' results combine
-    baselines: bool = True           # enqueue vLLM's default and well-known settings as the first trials
+    aggregate: Literal["mean", "worst"] = "mean"   # how the scenarios' results combine
+    baselines: Bool = True           # enqueue vLLM's default and well-known settings as the first trials
 
 
 # The integer scheduler knobs the environments' action sets, in action order (envs/gym/actions.py).
@@ -236,40 +283,45 @@ class RlConfig:
     environment it is evaluated in see the same world; then the learner: ``algo``, the network and what it
     reads, PPO's fields (search/rl/ppo.py) and the evolution strategy's (``es_*``, search/rl/es.py).
     """
-    interval_s: float = 1.0          # simulated seconds between decisions
-    episode_s: Optional[float] = None  # null: simulation.horizon_s (with neither, until every request is served)
-    num_workloads: int = 8           # workload variants trained on: seeds seed, seed + 1, ... (or trace windows)
-    miss_penalty: float = 1.0        # reward = good - miss_penalty * (late + rejected), per interval
+    interval_s: Annotated[Float, Field(ge=1e-3, le=MAX_CLOCK_S)] = 1.0   # simulated seconds between decisions
+    episode_s: Optional[Seconds] = None  # null: simulation.horizon_s (with neither, until every request is served)
+    # workload variants trained on: seeds seed, seed + 1, ... (or trace windows)
+    num_workloads: Annotated[Int, Field(ge=1, le=4096)] = 8
+    # reward = good - miss_penalty * (late + rejected), per interval
+    miss_penalty: Annotated[Float, Field(ge=0, le=1e6)] = 1.0
     bounds: Any = None               # {max_num_seqs: [1, 64], ...}: the action's knob ranges (envs/gym/actions.py)
-    algo: str = "ppo"                # ppo | es (evolution strategies over the policy's weights)
+    algo: Literal["ppo", "es"] = "ppo"   # ppo | es (evolution strategies over the policy's weights)
     features: Any = None             # observation names the policy reads (null: all of them)
-    timesteps: int = 2_000_000       # environment steps (control intervals) in all
-    num_envs: int = 256              # environments stepped together (vmapped)
-    num_steps: int = 64              # steps per environment per update (the rollout)
-    update_epochs: int = 4
-    num_minibatches: int = 8
-    learning_rate: float = 3e-4
-    anneal_lr: bool = True           # linearly to 0 over the run
-    gamma: float = 0.99
-    gae_lambda: float = 0.95
-    clip_eps: float = 0.2
-    ent_coef: float = 0.0
-    vf_coef: float = 0.5
-    max_grad_norm: float = 0.5
+    timesteps: Annotated[Int, Field(ge=1, le=10**12)] = 2_000_000   # environment steps (control intervals) in all
+    num_envs: Annotated[Int, Field(ge=1, le=2**16)] = 256   # environments stepped together (vmapped)
+    num_steps: Annotated[Int, Field(ge=1, le=2**16)] = 64   # steps per environment per update (the rollout)
+    update_epochs: Annotated[Int, Field(ge=1, le=10**4)] = 4
+    num_minibatches: Annotated[Int, Field(ge=1, le=2**20)] = 8
+    learning_rate: Fraction = 3e-4
+    anneal_lr: Bool = True           # linearly to 0 over the run
+    gamma: Annotated[Float, Field(ge=0, le=1)] = 0.99
+    gae_lambda: Annotated[Float, Field(ge=0, le=1)] = 0.95
+    clip_eps: Annotated[Float, Field(gt=0, le=10)] = 0.2
+    ent_coef: Annotated[Float, Field(ge=0, le=1e3)] = 0.0
+    vf_coef: Annotated[Float, Field(ge=0, le=1e3)] = 0.5
+    max_grad_norm: Annotated[Float, Field(gt=0, le=1e6)] = 0.5
     hidden: Any = (64, 64)           # widths of the actor's and the critic's hidden layers
-    log_std_init: float = -0.5       # the first policy's log spread in action units (Stable-Baselines3's name);
-                                     # lower keeps early samples near a tuned config's knobs
-    es_population: int = 32          # es: perturbations per generation, in antithetic pairs (even)
-    es_sigma: float = 0.05           # es: the perturbations' standard deviation, in weight units
-    es_learning_rate: float = 0.03   # es: Adam's step on the weights
-    es_days: int = 4                 # es: training workloads every candidate of a generation plays
-    seed: int = 0                    # network initialisation and action sampling
-    checkpoint_every: int = 10       # updates between checkpoints
+    # the first policy's log spread in action units (Stable-Baselines3's name); lower keeps early samples near a
+    # tuned config's knobs; e^log_std must stay a float32 number above 0
+    log_std_init: Annotated[Float, Field(ge=-20, le=5)] = -0.5
+    # es: perturbations per generation, in antithetic pairs (even), and their standard deviation in weight units
+    es_population: Annotated[Int, Field(ge=2, le=2**16)] = 32
+    es_sigma: Annotated[Float, Field(gt=0, le=1e3)] = 0.05
+    es_learning_rate: Fraction = 0.03   # es: Adam's step on the weights
+    es_days: Annotated[Int, Field(ge=1, le=4096)] = 4   # es: training workloads every candidate of a generation plays
+    seed: Seed = 0                   # network initialisation and action sampling
+    checkpoint_every: Annotated[Int, Field(ge=1, le=10**9)] = 10   # updates between checkpoints
 
 
 @dataclass(frozen=True)
 class Config:
-    model: str = "llama-2-7b"
+    __pydantic_config__ = VALIDATION   # the sections inherit it
+    model: Text = "llama-2-7b"
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     cost_model: CostModelConfig = field(default_factory=CostModelConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)

@@ -1,15 +1,16 @@
-"""Load a YAML config into a validated ``Config``, or fail with one line that says what to fix.
+"""Load a YAML config into a validated ``Config``, or fail with one line per problem that says what to fix.
 
 Before anything is built, the YAML is walked for what it expands to (``MAX_CONFIG_*``: alias bombs, runaway
-strings and deep nesting are refused). Validation is driven by the dataclasses in ``servetune.config``: their
-fields are the keys allowed (an unknown key is an error, with a "did you mean" suggestion), their type hints the
-types, their defaults fill omitted keys. On top of the types, ``FIELD_RANGES`` (the engine's bounds, so that no
-count wraps and the clock keeps its resolution) and ``FIELD_CHOICES`` bound single fields, and the per-kind rules
-(``ARRIVAL_RULES``, ``LENGTH_RULES``), the tenants' rule and ``_check_cross_field`` relate fields to each other,
-refusing fields the config's settings would not read. Every config's model and GPU are checked as vLLM checks
-them (the model exists, TP shards its heads, its weights leave room for the KV cache), whatever its cost model.
-A new arrival or length kind is one entry in its rule table. vLLM's start-up rules read the KV-cache size, which
-may be derived from the model and GPU, so ``servetune.pipeline.resolve`` applies them once the config is resolved.
+strings and deep nesting are refused). Then pydantic validates it against the dataclasses in ``servetune.config``,
+whose annotations give each field's type, range and choices (``FIELD_RANGES`` and ``FIELD_CHOICES`` are read from
+them): an unknown key is an error, with a "did you mean" suggestion, defaults fill omitted keys, and every bad
+field is reported, one line each. Once the fields are valid, the per-kind rules (``ARRIVAL_RULES``,
+``LENGTH_RULES``), the tenants' rule and ``_check_cross_field`` relate fields to each other, refusing fields the
+config's settings would not read; they stop at the first problem. Every config's model and GPU are checked as vLLM
+checks them (the model exists, TP shards its heads, its weights leave room for the KV cache), whatever its cost
+model. A new arrival or length kind is one entry in its rule table. vLLM's start-up rules read the KV-cache size,
+which may be derived from the model and GPU, so ``servetune.pipeline.resolve`` applies them once the config is
+resolved.
 
 Every message reads ``<source>: <dotted.key>: got <value>, expected <what>``, plus the ``--set`` override
 responsible when there is one.
@@ -18,19 +19,22 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
+import functools
 import re
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Annotated, Any, Callable, Literal, Optional, Sequence, Union
 
+import annotated_types
 import yaml
+from pydantic import TypeAdapter, ValidationError
+from pydantic.fields import FieldInfo
 
 from servetune.config import (
-    MAX_CLOCK_S, MAX_KV_TOKENS, MAX_NUM_REQUESTS, MAX_NUM_SEQS, MAX_RATE, MAX_SCALE, MAX_SEED,
-    MAX_TOKEN_COUNT, MIN_RATE, STEERABLE_KNOBS, ArrivalsConfig, Config, CostModelConfig, KnobConfig, LengthsConfig,
-    RlConfig, SchedulerConfig, SearchConfig, SloConfig, TenantConfig, WorkloadConfig,
+    MAX_CLOCK_S, MAX_KV_TOKENS, MAX_TOKEN_COUNT, STEERABLE_KNOBS, VALIDATION, ArrivalsConfig, Config, CostModelConfig,
+    Float, Int, KnobConfig, LengthsConfig, LognormalConfig, Rate, RlConfig, SchedulerConfig, SearchConfig, Seed,
+    TenantConfig, TokenCount, WorkloadConfig,
 )
 from servetune.cost_models.catalog import as_config_fields, resolve_gpu, resolve_model
 from servetune.cost_models.memory import KvCapacity, kv_capacity
@@ -38,7 +42,7 @@ from servetune.cost_models.models import heads_per_gpu
 from servetune.envs.workload.lengths import LognormalSpec
 from servetune.envs.sim.queue_order import FEATURES
 from servetune.envs.workload.traces import TRACE_PARSERS
-from servetune.errors import ConfigError, InvalidValue, UserError, reading_user_file
+from servetune.errors import ConfigError, InvalidValue, UserError, reading_user_file, shorten, show_yaml
 from servetune.objectives import OBJECTIVES, parse_objectives
 
 # `Config.source` records where a config came from; it is not something a user writes.
@@ -46,7 +50,7 @@ _INTERNAL_FIELDS = {"source"}
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Per-field rules beyond the type.
+# What a field takes, read from its annotation in servetune.config.
 
 @dataclass(frozen=True)
 class Range:
@@ -76,115 +80,89 @@ def _number_text(number: float) -> str:
     return str(int(number))
 
 
-AT_LEAST_ONE = Range(low=1)
-NON_NEGATIVE = Range(low=0)
-POSITIVE = Range(low=0, low_open=True)
-# The engine's bounds (servetune/config.py) as ranges.
-TOKEN_COUNT = Range(low=1, high=MAX_TOKEN_COUNT)
-TOKENS_OR_NONE = Range(low=0, high=MAX_TOKEN_COUNT)
-SECONDS = Range(low=0, high=MAX_CLOCK_S, low_open=True)
-SECONDS_OR_NONE = Range(low=0, high=MAX_CLOCK_S)
-MILLISECONDS = Range(low=0, high=MAX_CLOCK_S * 1000, low_open=True)
-RATE = Range(low=MIN_RATE, high=MAX_RATE)
-SCALE = Range(low=MIN_RATE, high=MAX_SCALE)
-REQUESTS = Range(low=1, high=MAX_NUM_REQUESTS)
-SEED = Range(low=0, high=MAX_SEED)   # NumPy's default_rng takes no negative seeds
-FRACTION = Range(low=0, high=1, low_open=True)
-# A step costs at most an hour, and a token or a context token a second: far beyond any GPU, within float32.
-STEP_SECONDS = Range(low=0, high=3600)
-TOKEN_SECONDS = Range(low=0, high=1)
-# A log-normal spread of e^20 per standard deviation already spans every length there is.
-LOG_SPREAD = Range(low=0, high=20)
+@dataclass(frozen=True)
+class _Rule:
+    """What an annotation lets a field hold."""
+    type: Any                         # int, float, bool, str, a section's dataclass, tuple or Any
+    nullable: bool = False
+    range: Optional[Range] = None
+    choices: Optional[tuple] = None   # a Literal's values
+    expected: Optional[str] = None    # the field's description: what a bad value is told to be
 
-FIELD_RANGES: dict[str, Range] = {
-    "hardware.tp": Range(low=1, high=1024),
-    "hardware.gpu_memory_utilization": FRACTION,
-    "cost_model.base_s": STEP_SECONDS,
-    "cost_model.per_token_s": TOKEN_SECONDS,
-    "cost_model.per_context_token_s": TOKEN_SECONDS,
-    "workload.arrivals.rate": RATE,
-    "workload.arrivals.rate_scale": SCALE,
-    "workload.arrivals.cv": Range(low=1e-3, high=1e3),
-    "workload.arrivals.on_s": SECONDS,
-    "workload.arrivals.off_s": SECONDS_OR_NONE,
-    "workload.arrivals.time_scale": SCALE,
-    "workload.arrivals.window_start_s": SECONDS_OR_NONE,
-    "workload.arrivals.window_s": SECONDS,
-    "workload.arrivals.jitter_s": SECONDS_OR_NONE,
-    "workload.max_model_len": Range(low=2, high=MAX_TOKEN_COUNT),
-    "workload.lengths.prompt_tokens.median": TOKEN_COUNT,
-    "workload.lengths.prompt_tokens.sigma": LOG_SPREAD,
-    "workload.lengths.output_tokens.median": TOKEN_COUNT,
-    "workload.lengths.output_tokens.sigma": LOG_SPREAD,
-    "workload.tenants.share": Range(low=0, high=1e6, low_open=True),
-    "workload.tenants.priority": Range(low=-(2**31), high=2**31 - 1),   # the trace readers' int32 range
-    "workload.tenants.prefix_tokens": Range(low=0, high=MAX_TOKEN_COUNT - 1),
-    "workload.tenants.prefix_groups": REQUESTS,
-    "workload.tenants.max_rate": RATE,
-    "workload.tenants.max_burst": REQUESTS,
-    "workload.num_requests": REQUESTS,
-    "workload.sessions.calls": REQUESTS,
-    "workload.seed": SEED,
-    "scheduler.max_num_seqs": Range(low=1, high=MAX_NUM_SEQS),
-    "scheduler.max_num_batched_tokens": TOKEN_COUNT,
-    "scheduler.long_prefill_token_threshold": TOKENS_OR_NONE,
-    "scheduler.block_size": TOKEN_COUNT,
-    "scheduler.num_kv_blocks": Range(low=1, high=MAX_KV_TOKENS),
-    "scheduler.watermark": Range(low=0, high=1, high_open=True),
-    "scheduler.max_num_queued_reqs": Range(low=0, high=MAX_NUM_REQUESTS),
-    "scheduler.max_model_len": Range(low=2, high=MAX_TOKEN_COUNT),   # a prompt token and an output token
-    "scheduler.batch_size": Range(low=1, high=MAX_NUM_SEQS),
-    "scheduler.max_wait_s": SECONDS_OR_NONE,
-    "scheduler.length_prediction_noise": LOG_SPREAD,
-    "slo.ttft_ms": MILLISECONDS,
-    "slo.itl_ms": MILLISECONDS,
-    "slo.tpot_ms": MILLISECONDS,
-    "slo.e2el_ms": MILLISECONDS,
-    "slo.attainment_target": FRACTION,
-    "simulation.horizon_s": SECONDS,
-    "search.trials": REQUESTS,
-    "search.batch_size": Range(low=1, high=4096),
-    "search.seed": SEED,
-    "rl.interval_s": Range(low=1e-3, high=MAX_CLOCK_S),
-    "rl.episode_s": SECONDS,
-    "rl.num_workloads": Range(low=1, high=4096),
-    "rl.miss_penalty": Range(low=0, high=1e6),
-    "rl.timesteps": Range(low=1, high=10**12),
-    "rl.num_envs": Range(low=1, high=2**16),
-    "rl.num_steps": Range(low=1, high=2**16),
-    "rl.update_epochs": Range(low=1, high=10**4),
-    "rl.num_minibatches": Range(low=1, high=2**20),
-    "rl.learning_rate": FRACTION,
-    "rl.gamma": Range(low=0, high=1),
-    "rl.gae_lambda": Range(low=0, high=1),
-    "rl.clip_eps": Range(low=0, high=10, low_open=True),
-    "rl.ent_coef": Range(low=0, high=1e3),
-    "rl.vf_coef": Range(low=0, high=1e3),
-    "rl.max_grad_norm": Range(low=0, high=1e6, low_open=True),
-    "rl.log_std_init": Range(low=-20, high=5),   # the spread e^log_std must stay a float32 number above 0
-    "rl.es_population": Range(low=2, high=2**16),
-    "rl.es_sigma": Range(low=0, high=1e3, low_open=True),
-    "rl.es_learning_rate": FRACTION,
-    "rl.es_days": Range(low=1, high=4096),
-    "rl.seed": SEED,
-    "rl.checkpoint_every": Range(low=1, high=10**9),
-}
 
-FIELD_CHOICES: dict[str, tuple[str, ...]] = {
-    "cost_model.kind": ("linear", "roofline", "calibrated"),
-    "workload.arrivals.kind": ("poisson", "gamma", "onoff", "piecewise", "servegen", "trace"),
-    "workload.arrivals.format": tuple(TRACE_PARSERS),
-    "workload.lengths.kind": ("fixed", "uniform", "geometric", "lognormal", "empirical", "trace"),
-    "scheduler.policy": ("continuous", "static"),
-    "scheduler.queue_order": ("fcfs", "priority", "sjf", "fair", "edf", "weighted"),
-    "search.sampler": ("tpe", "cmaes", "nsga2", "gp", "random", "grid"),
-    "search.aggregate": ("mean", "worst"),
-    "rl.algo": ("ppo", "es"),
-}
+_BOUNDS = {annotated_types.Ge: "ge", annotated_types.Gt: "gt", annotated_types.Le: "le", annotated_types.Lt: "lt"}
+
+
+@functools.cache
+def _rule(hint: Any) -> _Rule:
+    nullable, metadata = False, []
+    while typing.get_origin(hint) in (Annotated, Union):
+        if typing.get_origin(hint) is Annotated:
+            hint, *extra = typing.get_args(hint)
+            metadata += extra
+        else:   # Optional[...]
+            nullable, hint = True, next(arg for arg in typing.get_args(hint) if arg is not type(None))
+    infos = [item for item in metadata if isinstance(item, FieldInfo)]
+    bounds = {_BOUNDS[type(c)]: getattr(c, _BOUNDS[type(c)]) for info in infos for c in info.metadata
+              if type(c) in _BOUNDS}
+    span = Range(bounds.get("ge", bounds.get("gt")), bounds.get("le", bounds.get("lt")), "gt" in bounds,
+                 "lt" in bounds) if bounds else None
+    choices = typing.get_args(hint) if typing.get_origin(hint) is Literal else None
+    kind = type(choices[0]) if choices else typing.get_origin(hint) or hint
+    described = [info.description for info in infos if info.description]
+    return _Rule(kind, nullable, span, choices, described[-1] if described else None)
+
+
+@functools.cache
+def _fields(cls: type) -> dict[str, Any]:
+    """The annotations of the fields a user writes, Annotated and all."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.name not in _INTERNAL_FIELDS}
+
+
+def _section(hint: Any) -> Optional[type]:
+    """The dataclass a field holds (itself, or a tuple of them, as the tenants), or None for a value."""
+    hint = _strip(hint)
+    if typing.get_origin(hint) is tuple and typing.get_args(hint)[1:] == (Ellipsis,):
+        hint = _strip(typing.get_args(hint)[0])
+    return hint if dataclasses.is_dataclass(hint) else None
+
+
+def _strip(hint: Any) -> Any:
+    """The type inside Optional[...] and Annotated[...]."""
+    while typing.get_origin(hint) in (Annotated, Union):
+        hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
+    return hint
+
+
+def _walk(root: type) -> typing.Iterator[tuple[str, Any]]:
+    """(dotted key, annotation) of every value field, each section where it first appears: a tenant's slo is the
+    slo section's rules, ``slo.ttft_ms``."""
+    queue, seen = [("", root)], {root}
+    while queue:
+        parent, cls = queue.pop(0)
+        for name, hint in _fields(cls).items():
+            key = f"{parent}.{name}" if parent else name
+            section = _section(hint)
+            if section is None:
+                yield key, hint
+            elif section not in seen:
+                seen.add(section)
+                queue.append((key, section))
+
+
+FIELD_RANGES: dict[str, Range] = {key: _rule(hint).range for key, hint in _walk(Config) if _rule(hint).range}
+FIELD_RANGES.update({f"workload.lengths.{side}.{name}": _rule(hint).range for side in ("prompt_tokens", "output_tokens")
+                     for name, hint in _fields(LognormalConfig).items()})
+FIELD_CHOICES: dict[str, tuple[str, ...]] = {key: _rule(hint).choices for key, hint in _walk(Config)
+                                             if _rule(hint).choices}
+assert FIELD_CHOICES["workload.arrivals.format"] == tuple(TRACE_PARSERS), "ArrivalsConfig.format: the trace formats"
+
+# Ranges the rules below use.
+TOKEN_COUNT, RATE, SEED = _rule(TokenCount).range, _rule(Rate).range, _rule(Seed).range
 
 # Sections whose fields `search.knobs` may search: the engine's knobs and the hardware it runs on.
 SEARCHABLE_SECTIONS = ("scheduler", "hardware")
-
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -292,34 +270,12 @@ def _parse_yaml(text: str, source: str) -> Any:
 # ---------------------------------------------------------------------------------------------------------
 # Messages.
 
-_SHOWN_CHARS = 60   # of a value in a message, so that a runaway value still gives a readable line
-
-
-def _show(value: Any) -> str:
-    """A value as the user wrote it in YAML (null, true, 3.5, 'text', [1, 4]), cut short when long."""
-    text = _as_yaml(value)
-    return text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS] + "..."
-
-
-def _as_yaml(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return repr(value)
-    if isinstance(value, float) and not math.isfinite(value):
-        return ".nan" if math.isnan(value) else ("-.inf" if value < 0 else ".inf")
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_as_yaml(item) for item in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{key}: {_as_yaml(item)}" for key, item in value.items()) + "}"
-    return str(value)
+_show = show_yaml   # a value as the user wrote it in YAML (null, true, 3.5, 'text', [1, 4]), cut short
 
 
 def _unknown_key(key: str, known: Sequence[str], parent: str) -> tuple[str, str]:
     """(the full dotted key, what is wrong with it, with a suggestion when one is close)."""
-    key = key if len(key) <= _SHOWN_CHARS else key[:_SHOWN_CHARS] + "..."
+    key = shorten(key)
     full = f"{parent}.{key}" if parent else key
     close = difflib.get_close_matches(key, known, n=1)
     if close:
@@ -336,105 +292,85 @@ class _Reporter:
         self.overrides = {_split_override(item)[0]: item for item in overrides}
 
     def override_of(self, key: str) -> Optional[str]:
-        """The last ``--set`` that wrote ``key`` or a section holding it, if any."""
+        """The last ``--set`` that wrote ``key`` or a section holding it, if any (``--set workload.tenants=[...]``
+        writes every tenant: a key is matched without its indexes)."""
+        key = re.sub(r"\[\d+\]", "", key)
         culprits = [item for path, item in self.overrides.items() if key == path or key.startswith(path + ".")]
         return culprits[-1] if culprits else None
 
-    def error(self, key: str, problem: str) -> ConfigError:
+    def line(self, key: str, problem: str) -> str:
         culprit = self.override_of(key)
         blame = f" (from --set {culprit})" if culprit else ""
-        return ConfigError(f"{self.source}: {key}: {problem}{blame}")
+        return f"{self.source}: {key}: {problem}{blame}"
+
+    def error(self, key: str, problem: str) -> ConfigError:
+        return ConfigError(self.line(key, problem))
 
     def bad_value(self, key: str, value: Any, expected: str) -> ConfigError:
         return self.error(key, f"got {_show(value)}, expected {expected}")
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Building the dataclasses from plain data, checking types, ranges and choices.
-
-def _user_fields(cls: type) -> dict[str, dataclasses.Field]:
-    return {f.name: f for f in dataclasses.fields(cls) if f.name not in _INTERNAL_FIELDS}
-
-
-def _unwrap_optional(hint: Any) -> tuple[Any, bool]:
-    """(the type inside Optional[...], whether None is allowed)."""
-    if typing.get_origin(hint) is Union:
-        inner = [arg for arg in typing.get_args(hint) if arg is not type(None)]
-        return inner[0], len(inner) < len(typing.get_args(hint))
-    return hint, False
-
-
-def _default(field: dataclasses.Field) -> Any:
-    if field.default_factory is not dataclasses.MISSING:
-        return field.default_factory()
-    return field.default
-
+# Validating the fields: pydantic checks every field against its annotation; each of its errors becomes a line.
 
 _TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a finite number", str: "a non-empty string"}
 
 
-def _is_finite(number: Union[int, float]) -> bool:
+def _expectation(hint: Any) -> str:
+    rule = _rule(hint)
+    if rule.expected:
+        return rule.expected
+    if dataclasses.is_dataclass(rule.type):
+        return f"a mapping with keys {', '.join(_fields(rule.type))}"
+    if rule.choices:
+        text = "one of " + ", ".join(rule.choices)
+    else:
+        text = _TYPE_NAMES[rule.type] + (f" {rule.range.describe()}" if rule.range else "")
+    return text + (" or null" if rule.nullable else "")
+
+
+def _problem(error: dict, cls: type, parent: str) -> tuple[str, str]:
+    """(dotted key, problem) for one of pydantic's errors in validating data as ``cls`` at ``parent``."""
+    key, hint, loc = parent, cls, error["loc"]
+    if error["type"] in ("unexpected_keyword_argument", "extra_forbidden", "invalid_key"):
+        loc = loc[:-1]
+    for part in loc:
+        if isinstance(part, int):   # an item of a list of sections (the tenants)
+            key, hint = f"{key}[{part}]", _section(hint)
+        else:
+            key, hint = f"{key}.{part}" if key else part, _fields(_section(hint))[part]
+    if loc != error["loc"]:
+        return _unknown_key(str(error["loc"][-1]), list(_fields(_section(hint))), key)
+    return key or "the config", f"got {_show(error['input'])}, expected {_expectation(hint)}"
+
+
+@functools.cache
+def _adapter(hint: Any) -> TypeAdapter:
+    return TypeAdapter(hint) if dataclasses.is_dataclass(hint) else TypeAdapter(hint, config=VALIDATION)
+
+
+def _validated(cls: type, data: Any, parent: str, report: _Reporter, problems: Sequence[tuple[str, str]] = ()) -> Any:
+    """``data`` as a ``cls``, or a ConfigError with a line for each bad field (and each of ``problems``)."""
     try:
-        return math.isfinite(number)
-    except OverflowError:   # an int beyond float's range
-        return False
+        value = _adapter(cls).validate_python(data)
+    except ValidationError as invalid:
+        errors = invalid.errors()
+        # A list whose items are bad is also reported too short (pydantic counts the good ones): keep the items'.
+        problems = [*problems, *(_problem(error, cls, parent) for error in errors
+                                 if not any(other["loc"][:len(error["loc"])] == error["loc"] != other["loc"]
+                                            for other in errors))]
+    if problems:
+        raise ConfigError(*(report.line(key, problem) for key, problem in problems))
+    return value
 
 
 def _has_type(value: Any, hint: Any) -> bool:
-    if hint is bool:
-        return isinstance(value, bool)
-    # bool is a subclass of int in Python, but `true` is no count and no number.
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and _is_finite(value)
-    if hint is str:
-        return isinstance(value, str) and bool(value.strip())
-    raise TypeError(f"the config loader cannot check values of type {hint}; teach _has_type about it")
-
-
-def _expectation(hint: Any, key: str, nullable: bool) -> str:
-    if key in FIELD_CHOICES:
-        text = "one of " + ", ".join(FIELD_CHOICES[key])
-    else:
-        text = _TYPE_NAMES[hint] + (f" {FIELD_RANGES[key].describe()}" if key in FIELD_RANGES else "")
-    return text + (" or null" if nullable else "")
-
-
-def _check_value(value: Any, hint: Any, key: str, nullable: bool, report: _Reporter) -> Any:
-    """The value converted to the field's type (ints widen to floats), or a ConfigError."""
-    if value is None and nullable:
-        return None
-    bounds, choices = FIELD_RANGES.get(key), FIELD_CHOICES.get(key)
-    if not _has_type(value, hint) or (bounds and not bounds.contains(value)) or (choices and value not in choices):
-        raise report.bad_value(key, value, _expectation(hint, key, nullable))
-    return float(value) if hint is float else value
-
-
-def _build_section(cls: type, data: Any, parent: str, report: _Reporter) -> Any:
-    fields = _user_fields(cls)
-    if not isinstance(data, dict):
-        where = parent or "the config"
-        raise report.error(where, f"got {_show(data)}, expected a mapping with keys {', '.join(fields)}")
-    for key in data:
-        if key not in fields:
-            raise report.error(*_unknown_key(str(key), list(fields), parent))
-    hints = typing.get_type_hints(cls)
-    values = {}
-    for name, field in fields.items():
-        key = f"{parent}.{name}" if parent else name
-        if name not in data:
-            values[name] = _default(field)
-            continue
-        hint, nullable = _unwrap_optional(hints[name])
-        value = data[name]
-        if dataclasses.is_dataclass(hint) and not (value is None and nullable):
-            values[name] = _build_section(hint, value, key, report)
-        elif hint is Any:
-            values[name] = value   # kind-dependent; the kind's rules check it
-        else:
-            values[name] = _check_value(value, hint, key, nullable, report)
-    return cls(**values)
+    """Whether ``value`` is a valid ``hint`` (an annotation of servetune.config: Float, TokenCount ...)."""
+    try:
+        _adapter(hint).validate_python(value)
+    except ValidationError:
+        return False
+    return True
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -531,7 +467,7 @@ def _check_piecewise_arrivals(workload: WorkloadConfig, report: _Reporter, base_
     segments = []
     for index, segment in enumerate(profile):
         where = f"{key}[{index}]"
-        if not (isinstance(segment, (list, tuple)) and len(segment) == 2 and all(_has_type(v, float) for v in segment)):
+        if not (isinstance(segment, (list, tuple)) and len(segment) == 2 and all(_has_type(v, Float) for v in segment)):
             raise report.bad_value(where, segment, "a pair [start_s, rate] of finite numbers")
         start, rate = float(segment[0]), float(segment[1])
         if index == 0 and start != 0:
@@ -584,7 +520,7 @@ GENERATED_LENGTH_KINDS = ("fixed", "uniform", "geometric", "lognormal", "empiric
 
 
 def _is_token_count(value: Any) -> bool:
-    return _has_type(value, int) and TOKEN_COUNT.contains(value)
+    return _has_type(value, TokenCount)
 
 
 def _check_fixed_lengths(lengths: LengthsConfig, arrivals_kind: str, report: _Reporter,
@@ -616,7 +552,7 @@ def _check_geometric_lengths(lengths: LengthsConfig, arrivals_kind: str, report:
     means = {}
     for name in ("prompt_tokens", "output_tokens"):
         value = getattr(lengths, name)
-        if not (_has_type(value, float) and TOKEN_COUNT.contains(value)):
+        if not (_has_type(value, Float) and TOKEN_COUNT.contains(value)):
             raise report.bad_value(f"workload.lengths.{name}", value,
                                    f"the mean, a number {TOKEN_COUNT.describe()}, for geometric lengths")
         means[name] = float(value)
@@ -634,7 +570,7 @@ def _check_lognormal_lengths(lengths: LengthsConfig, arrivals_kind: str, report:
             if part not in value:
                 bounds = FIELD_RANGES[f"{key}.{part}"].describe()
                 raise report.error(f"{key}.{part}", f"missing; expected a number {bounds} for lognormal lengths")
-        specs[name] = _build_section(LognormalSpec, value, key, report)
+        specs[name] = LognormalSpec(**dataclasses.asdict(_validated(LognormalConfig, value, key, report)))
     return dataclasses.replace(lengths, **specs)
 
 
@@ -691,8 +627,9 @@ def _check_lengths(lengths: LengthsConfig, arrivals_kind: str, report: _Reporter
 
 
 class _RenamedReporter(_Reporter):
-    """Reports keys checked under another section's rules as where they are: a tenant's ``slo.ttft_ms`` is
-    checked as the slo section's (its ranges, its messages) and reported as ``workload.tenants[1].slo.ttft_ms``."""
+    """Reports keys checked under another section's rules as where they are: a tenant's ``lengths.kind`` is
+    checked by the workload's length rules (``workload.lengths.kind``) and reported as
+    ``workload.tenants[1].lengths.kind``."""
 
     def __init__(self, report: _Reporter, rules_key: str, shown_key: str) -> None:
         self.source, self.overrides = report.source, report.overrides
@@ -703,21 +640,17 @@ class _RenamedReporter(_Reporter):
         return re.sub(rf"(?<![\w.\[\]]){re.escape(self.rules_key)}(?=$|[.\s?,;)])", self.shown_key, text)
 
     def override_of(self, key: str) -> Optional[str]:
-        # `--set workload.tenants=[...]` writes every tenant: match the key without its index.
-        return super().override_of(re.sub(r"\[\d+\]", "", self._shown(key)))
+        return super().override_of(self._shown(key))
 
-    def error(self, key: str, problem: str) -> ConfigError:
-        return super().error(self._shown(key), self._shown(problem))
+    def line(self, key: str, problem: str) -> str:
+        return super().line(self._shown(key), self._shown(problem))
 
 
-def _check_tenant(data: Any, index: int, workload: WorkloadConfig, report: _Reporter, base_dir: Path) -> TenantConfig:
+def _check_tenant(tenant: TenantConfig, index: int, workload: WorkloadConfig, report: _Reporter,
+                  base_dir: Path) -> TenantConfig:
+    """A tenant's own arrivals and lengths, under the workload's arrival and length rules."""
     shown = f"workload.tenants[{index}]"
-    own = dict(data) if isinstance(data, dict) else data
-    nested = ({name: own.pop(name, None) for name in ("lengths", "slo", "arrivals")} if isinstance(own, dict)
-              else {})
-    tenant = _build_section(TenantConfig, own, "workload.tenants", _RenamedReporter(report, "workload.tenants", shown))
-    lengths, slo, arrivals = nested.get("lengths"), nested.get("slo"), nested.get("arrivals")
-    arrivals_kind = workload.arrivals.kind
+    arrivals, lengths, arrivals_kind = tenant.arrivals, tenant.lengths, workload.arrivals.kind
     if arrivals is not None:
         # A recorded config holds the default share of 1 for every tenant: only another value is refused.
         if tenant.share != 1.0:
@@ -727,18 +660,15 @@ def _check_tenant(data: Any, index: int, workload: WorkloadConfig, report: _Repo
                                                                                f"{shown}.arrivals"), base_dir)
         arrivals_kind = arrivals.kind
     if lengths is not None:
-        lengths_report = _RenamedReporter(report, "workload.lengths", f"{shown}.lengths")
-        lengths = _check_lengths(_build_section(LengthsConfig, lengths, "workload.lengths", lengths_report),
-                                 arrivals_kind, lengths_report, base_dir)
-    if slo is not None:
-        slo = _build_section(SloConfig, slo, "slo", _RenamedReporter(report, "slo", f"{shown}.slo"))
-    return dataclasses.replace(tenant, lengths=lengths, slo=slo, arrivals=arrivals)
+        lengths = _check_lengths(lengths, arrivals_kind, _RenamedReporter(report, "workload.lengths",
+                                                                          f"{shown}.lengths"), base_dir)
+    return dataclasses.replace(tenant, lengths=lengths, arrivals=arrivals)
 
 
-def _check_tenant_arrivals(data: Any, workload: WorkloadConfig, report: _Reporter, base_dir: Path) -> ArrivalsConfig:
+def _check_tenant_arrivals(arrivals: ArrivalsConfig, workload: WorkloadConfig, report: _Reporter,
+                           base_dir: Path) -> ArrivalsConfig:
     """A tenant's own arrival process: checked by the workload's arrival rules, as if it were the workload's.
     Generated kinds only: a replayed trace already says which tenant sent each request."""
-    arrivals = _build_section(ArrivalsConfig, data, "workload.arrivals", report)
     if arrivals.kind == "trace":
         raise report.bad_value("workload.arrivals.kind", "trace", "a generated kind for a tenant's own arrivals "
                                                                   "(a trace names its tenants itself)")
@@ -748,13 +678,10 @@ def _check_tenant_arrivals(data: Any, workload: WorkloadConfig, report: _Reporte
 
 
 def _check_tenants(workload: WorkloadConfig, report: _Reporter, base_dir: Path) -> WorkloadConfig:
-    tenants = workload.tenants
-    if tenants is None:
+    if workload.tenants is None:
         return workload
-    if not isinstance(tenants, (list, tuple)) or not tenants:
-        raise report.bad_value("workload.tenants", tenants, "a non-empty list of tenants, such as "
-                                                            "[{name: chat, share: 0.8}, {name: batch, share: 0.2}]")
-    checked = tuple(_check_tenant(tenant, index, workload, report, base_dir) for index, tenant in enumerate(tenants))
+    checked = tuple(_check_tenant(tenant, index, workload, report, base_dir)
+                    for index, tenant in enumerate(workload.tenants))
     for index, tenant in enumerate(checked):
         if tenant.name in (earlier.name for earlier in checked[:index]):
             raise report.bad_value(f"workload.tenants[{index}].name", tenant.name, "a name no earlier tenant has")
@@ -817,11 +744,11 @@ def _check_sessions(workload: WorkloadConfig, report: _Reporter) -> WorkloadConf
     low = MIN_THINK_S
     key = "workload.sessions.think_s"
     expected = f"seconds: a number ≥ {low:g}, or [low, high] with {low:g} ≤ low ≤ high"
-    if _has_type(think, float):
+    if _has_type(think, Float):
         if not think >= low:
             raise report.bad_value(key, think, expected)
         think = float(think)
-    elif isinstance(think, (list, tuple)) and len(think) == 2 and all(_has_type(v, float) for v in think):
+    elif isinstance(think, (list, tuple)) and len(think) == 2 and all(_has_type(v, Float) for v in think):
         if not low <= think[0] <= think[1]:
             raise report.bad_value(key, think, expected)
         think = (float(think[0]), float(think[1]))
@@ -997,7 +924,7 @@ def _check_queue_order(scheduler: SchedulerConfig, report: _Reporter) -> Schedul
     for name, weight in weights.items():
         if name not in FEATURES:
             raise report.error(*_unknown_key(str(name), list(FEATURES), WEIGHTS_KEY))
-        if not (_has_type(weight, float) and _is_finite(weight)):
+        if not _has_type(weight, Float):
             raise report.bad_value(f"{WEIGHTS_KEY}.{name}", weight, "a finite number")
     if not any(weights.values()):
         raise report.bad_value(WEIGHTS_KEY, weights, expected)
@@ -1009,56 +936,51 @@ def _check_queue_order(scheduler: SchedulerConfig, report: _Reporter) -> Schedul
 # The search section: knobs name fields of the searchable sections and stay inside those fields' rules;
 # scenarios are variants of the whole config and must each be a valid config.
 
-def _searchable_field(key: str, report: _Reporter) -> tuple[Any, bool]:
-    """(type, nullable) of the config field a knob searches, or a ConfigError naming the knob. One weight
-    of the weighted queue order is a knob too: scheduler.priority_weights.<feature>."""
+def _searchable_field(key: str, report: _Reporter) -> Any:
+    """The annotation of the config field a knob searches, or a ConfigError naming the knob. One weight of the
+    weighted queue order is a knob too: scheduler.priority_weights.<feature>."""
     if key.startswith(WEIGHTS_KEY + "."):
         feature = key[len(WEIGHTS_KEY) + 1:]
         if feature not in FEATURES:
             raise report.error(*_unknown_key(feature, list(FEATURES), f"search.knobs.{WEIGHTS_KEY}"))
-        return float, False
+        return Float
     section, _, name = key.partition(".")
     if section not in SEARCHABLE_SECTIONS:
         raise report.error(f"search.knobs.{key}", f"not searchable; expected a field of "
                                                   f"{' or '.join(SEARCHABLE_SECTIONS)}, such as scheduler.max_num_seqs")
-    section_cls = typing.get_type_hints(Config)[section]
-    fields = _user_fields(section_cls)
+    fields = _fields(_section(_fields(Config)[section]))
     if name not in fields:
         raise report.error(*_unknown_key(name, list(fields), f"search.knobs.{section}"))
-    return _unwrap_optional(typing.get_type_hints(section_cls)[name])
-
-
-def _fits_field(value: Any, hint: Any, key: str, nullable: bool) -> bool:
-    if value is None:
-        return nullable
-    bounds, choices = FIELD_RANGES.get(key), FIELD_CHOICES.get(key)
-    return _has_type(value, hint) and not (bounds and not bounds.contains(value)) and not (choices and value not in choices)
+    return fields[name]
 
 
 def _check_knob(key: str, data: Any, report: _Reporter) -> KnobConfig:
-    hint, nullable = _searchable_field(key, report)
+    hint = _searchable_field(key, report)
+    number = _rule(hint).type
     where = f"search.knobs.{key}"
-    knob = _build_section(KnobConfig, data, where, report)
+    knob = _validated(KnobConfig, data, where, report)
     if knob.choices is not None:
         if knob.low is not None or knob.high is not None or knob.step is not None or knob.log:
             raise report.error(where, "expected either choices or a range (low, high, log, step), not both")
         if not isinstance(knob.choices, (list, tuple)) or not knob.choices:
             raise report.bad_value(f"{where}.choices", knob.choices, "a non-empty list of values")
         for value in knob.choices:
-            if not _fits_field(value, hint, key, nullable):
-                raise report.bad_value(f"{where}.choices", value, _expectation(hint, key, nullable))
+            if not _has_type(value, hint):
+                raise report.bad_value(f"{where}.choices", value, _expectation(hint))
         if len(set(map(repr, knob.choices))) != len(knob.choices):
             raise report.bad_value(f"{where}.choices", knob.choices, "each value once")
         return dataclasses.replace(knob, choices=tuple(knob.choices))
-    if hint not in (int, float):
-        raise report.bad_value(where, data, f"choices: a list of values ({_TYPE_NAMES[hint]}), since {key} "
+    if number not in (int, float):
+        raise report.bad_value(where, data, f"choices: a list of values ({_TYPE_NAMES[number]}), since {key} "
                                             "is not a number")
+    if typing.get_origin(hint) is Union:   # a bound is a number, never null
+        hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
     for bound in ("low", "high"):
         value = getattr(knob, bound)
         if value is None:
-            raise report.bad_value(f"{where}.{bound}", None, f"{_TYPE_NAMES[hint]} (or give choices instead)")
-        if not _fits_field(value, hint, key, False):
-            raise report.bad_value(f"{where}.{bound}", value, _expectation(hint, key, False))
+            raise report.bad_value(f"{where}.{bound}", None, f"{_TYPE_NAMES[number]} (or give choices instead)")
+        if not _has_type(value, hint):
+            raise report.bad_value(f"{where}.{bound}", value, _expectation(hint))
     if knob.low > knob.high:
         raise report.bad_value(f"{where}.high", knob.high, f"≥ low ({knob.low:g})")
     if knob.log and knob.low <= 0:
@@ -1066,9 +988,9 @@ def _check_knob(key: str, data: Any, report: _Reporter) -> KnobConfig:
     if knob.step is not None:
         if knob.log:
             raise report.bad_value(f"{where}.step", knob.step, "null on a log scale (a log range has no step)")
-        if not (_has_type(knob.step, hint) and knob.step > 0):
-            raise report.bad_value(f"{where}.step", knob.step, f"{_TYPE_NAMES[hint]} > 0")
-    if hint is float:
+        if not (_has_type(knob.step, Int if number is int else Float) and knob.step > 0):
+            raise report.bad_value(f"{where}.step", knob.step, f"{_TYPE_NAMES[number]} > 0")
+    if number is float:
         return dataclasses.replace(knob, **{name: None if getattr(knob, name) is None else float(getattr(knob, name))
                                             for name in ("low", "high", "step")})
     return knob
@@ -1086,7 +1008,7 @@ def _check_seeds(seeds: Any, report: _Reporter) -> tuple:
     if not isinstance(seeds, (list, tuple)) or not seeds:
         raise report.bad_value("search.workload_seeds", seeds, expected)
     for seed in seeds:
-        if not (_has_type(seed, int) and SEED.contains(seed)):
+        if not _has_type(seed, Seed):
             raise report.bad_value("search.workload_seeds", seed, expected)
     if len(set(seeds)) != len(seeds):
         raise report.bad_value("search.workload_seeds", seeds, expected)
@@ -1171,9 +1093,11 @@ def _trace_defaults(data: dict) -> dict:
 
 
 def _build_config(data: Any, source: str, base_dir: Path, report: _Reporter) -> Config:
+    internal = []
     if isinstance(data, dict):
-        data = _trace_defaults(data)
-    config = _check_cross_field(_build_section(Config, data, "", report), report, base_dir)
+        internal = [_unknown_key(key, list(_fields(Config)), "") for key in data if key in _INTERNAL_FIELDS]
+        data = _trace_defaults({key: value for key, value in data.items() if key not in _INTERNAL_FIELDS})
+    config = _check_cross_field(_validated(Config, data, "", report, internal), report, base_dir)
     return dataclasses.replace(config, source=source)
 
 
@@ -1198,14 +1122,14 @@ def _check_rl(rl: RlConfig, report: _Reporter) -> RlConfig:
             if name not in STEERABLE_KNOBS:
                 raise report.error(*_unknown_key(str(name), list(STEERABLE_KNOBS), "rl.bounds"))
             most = FIELD_RANGES[f"scheduler.{name}"].high
-            if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(_has_type(v, int) for v in pair)
+            if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(_has_type(v, Int) for v in pair)
                     and 1 <= pair[0] < pair[1] <= most):
                 raise report.bad_value(f"rl.bounds.{name}", pair, f"[low, high], integers with 1 ≤ low < high ≤ "
                                                                   f"{most} (scheduler.{name}'s range)")
         bounds = tuple((name, (bounds[name][0], bounds[name][1])) for name in STEERABLE_KNOBS if name in bounds)
     hidden = rl.hidden
     if not (isinstance(hidden, (list, tuple)) and 0 < len(hidden) <= MAX_HIDDEN_LAYERS
-            and all(_has_type(w, int) and 1 <= w <= MAX_HIDDEN_WIDTH for w in hidden)):
+            and all(_has_type(w, Int) and 1 <= w <= MAX_HIDDEN_WIDTH for w in hidden)):
         raise report.bad_value("rl.hidden", hidden, f"a non-empty list of at most {MAX_HIDDEN_LAYERS} layer widths, "
                                                     f"integers in [1, {MAX_HIDDEN_WIDTH}], such as [64, 64]")
     if rl.num_envs * rl.num_steps % rl.num_minibatches:
@@ -1236,7 +1160,7 @@ def _check_rl(rl: RlConfig, report: _Reporter) -> RlConfig:
 
 def _split_override(item: str) -> tuple[str, str]:
     if len(item) > MAX_TEXT_CHARS:
-        raise ConfigError(f"--set {item[:_SHOWN_CHARS]}...: {len(item):,} characters, expected at most "
+        raise ConfigError(f"--set {shorten(item)}: {len(item):,} characters, expected at most "
                           f"{MAX_TEXT_CHARS:,}")
     key, equals, value = item.partition("=")
     if not equals or not key.strip():
@@ -1252,12 +1176,12 @@ def _check_override_key(key: str, item: str) -> None:
         parent = ".".join(parts[:depth])
         if cls is None:
             raise ConfigError(f"--set {item}: {parent} is a value, not a section: it has no key {part}")
-        fields = _user_fields(cls)
+        fields = _fields(cls)
         if part not in fields:
             full, problem = _unknown_key(part, list(fields), parent)
             raise ConfigError(f"--set {item}: {full}: {problem}")
-        hint, _ = _unwrap_optional(typing.get_type_hints(cls)[part])
-        cls = hint if dataclasses.is_dataclass(hint) else None
+        hint = _strip(fields[part])
+        cls = hint if dataclasses.is_dataclass(hint) else None   # a list of tenants is a value
 
 
 def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:

@@ -602,7 +602,7 @@ def test_cross_field_rules():
     )
     assert config_error({"cost_model": {"kind": "calibrated"}}) == (
         "c.yaml: cost_model.profile: got null, expected a fitted profile for the calibrated cost model: a calibrate "
-        "output or one of llama-2-7b_a100-80gb.json"
+        "output or one of llama-2-7b_a100-80gb.json, llama-2-7b_h100-80gb.json"
     )
     chunked = config_from_dict({"scheduler": {"long_prefill_token_threshold": 256}})
     assert chunked.scheduler.long_prefill_token_threshold == 256
