@@ -15,6 +15,7 @@ import time
 
 import jax
 
+from servetune.cli_args import add_config_arguments
 from servetune.config_loader import load_config
 from servetune.search.rl.ppo import make_train
 from servetune.search.rl.train import control_world, env_spec
@@ -35,8 +36,7 @@ def _rate(function, state, steps_per_call: int, seconds: float) -> tuple[float, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("config", nargs="?", default="examples/diurnal.yaml")
-    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    add_config_arguments(parser, default="examples/diurnal.yaml")
     parser.add_argument("--envs", default="64,256", help="comma-separated numbers of environments")
     parser.add_argument("--seconds", type=float, default=20.0, help="timed seconds per measurement")
     args = parser.parse_args()

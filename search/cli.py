@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from servetune.cli_args import add_config_arguments
 from servetune.config import Config
 from servetune.config_loader import FIELD_CHOICES, load_config
 from servetune.errors import UserError
@@ -28,7 +29,7 @@ from servetune.search.study.storage import DEFAULT_STORAGE, check_existing_stora
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     tune = subparsers.add_parser("tune", help="search scheduler knobs for the best goodput (an Optuna study)")
-    _add_config(tune)
+    add_config_arguments(tune)
     tune.add_argument("--trials", type=int, help="COMPLETE trials the study should hold (default: search.trials)")
     tune.add_argument("--objectives", help="comma-separated: goodput, p99_ttft, p99_itl, gpus "
                                            "(default: search.objectives, goodput)")
@@ -42,9 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     tune.set_defaults(func=run_tune)
 
     capacity = subparsers.add_parser("capacity", help="highest arrival rate at which SLO attainment meets the target")
-    capacity.add_argument("config", nargs="?", help="YAML config (or give --study)")
-    capacity.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                          help="override a config field (repeatable)")
+    add_config_arguments(capacity, "YAML config (or give --study)", optional=True)
     _add_study(capacity, required=False)
     capacity.add_argument("--trial", type=int, help="with --study: this trial instead of the best")
     capacity.add_argument("--tolerance", type=float, default=0.02,
@@ -54,7 +53,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     capacity.set_defaults(func=run_capacity)
 
     sweep = subparsers.add_parser("sweep", help="one knob across values: metrics, CSV and a plot with the knee")
-    _add_config(sweep)
+    add_config_arguments(sweep)
     sweep.add_argument("--param", required=True, help="dotted config key, e.g. scheduler.max_num_seqs")
     sweep.add_argument("--values", required=True, help="comma-separated values, e.g. 1,2,4,8,16")
     sweep.add_argument("--out", type=Path, help="CSV path; the plot is written next to it as .png "
@@ -73,12 +72,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     export.add_argument("--engine", choices=ENGINES, default="vllm", help="default %(default)s")
     export.add_argument("--out", type=Path, help="file to write (default: print)")
     export.set_defaults(func=run_export)
-
-
-def _add_config(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="YAML config (see examples/)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config field, e.g. --set workload.num_requests=500 (repeatable)")
 
 
 def _add_study(parser: argparse.ArgumentParser, required: bool) -> None:

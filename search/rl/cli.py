@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Column
 
+from servetune.cli_args import add_config_arguments
 from servetune.config import Config
 from servetune.config_loader import load_config
 from servetune.errors import UserError
@@ -26,9 +27,7 @@ from servetune.search.study.storage import check_existing_storage, check_writabl
 def register(subparsers: argparse._SubParsersAction) -> None:
     train = subparsers.add_parser("train-rl", help="train an adaptive scheduler on ServeControl-v0 (PPO, or "
                                                    "evolution strategies)")
-    train.add_argument("config", help="YAML config (its rl section sets the environment and PPO)")
-    train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a config field, e.g. --set rl.learning_rate=1e-3 (repeatable)")
+    add_config_arguments(train, "YAML config (its rl section sets the environment and the learner)")
     train.add_argument("--algo", choices=("ppo", "es"), help="the learner (default: rl.algo)")
     train.add_argument("--timesteps", type=int, help="environment steps in all (default: rl.timesteps)")
     train.add_argument("--num-envs", type=int, help="environments stepped together (default: rl.num_envs)")
@@ -41,9 +40,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     evaluate = subparsers.add_parser("eval-policy", help="a trained policy against the baselines on held-out "
                                                          "workloads")
     evaluate.add_argument("policy", type=Path, help="policy file from train-rl")
-    evaluate.add_argument("config", help="YAML config: the scenario to evaluate on (the policy's, normally)")
-    evaluate.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                          help="override a config field (repeatable)")
+    add_config_arguments(evaluate, "YAML config: the scenario to evaluate on (the policy's, normally)")
     evaluate.add_argument("--seeds", type=int, default=5,
                           help="held-out workload variants (episodes) per contender (default %(default)s)")
     evaluate.add_argument("--study", help="the best static config is this study's best trial (default: run a "

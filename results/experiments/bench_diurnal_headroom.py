@@ -19,9 +19,11 @@ An RL policy that only learned "which phase is it" could reach it; one that reac
    is reported, with vLLM's defaults for scale.
 4. Speed: ``gymnasium.make_vec(..., num_envs=256, vectorization_mode="vector_entry_point")`` steps per second.
 
-    python benchmarks/bench_diurnal_headroom.py --max-num-seqs 128 --phase-hours 7,11   # examples/diurnal.yaml
-    python benchmarks/bench_diurnal_headroom.py --config examples/scenarios/diurnal_chat.yaml --phase-hours 8,11,17
-    python benchmarks/bench_diurnal_headroom.py --static-trials 0 --candidates 64 --rounds 1   # a quick look
+    python results/experiments/bench_diurnal_headroom.py --max-num-seqs 128 --phase-hours 7,11   # examples/diurnal.yaml
+    python results/experiments/bench_diurnal_headroom.py examples/scenarios/diurnal_chat.yaml --phase-hours 8,11,17
+    python results/experiments/bench_diurnal_headroom.py --static-trials 0 --candidates 64 --rounds 1   # a quick look
+
+Run it from the repository root: the config's path is part of the study's identity.
 
 The rate profile and phase clock come from the config's ServeGen arrivals, or its tenants' own.
 """
@@ -40,12 +42,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import servetune  # noqa: F401  (registers the ids)
-from servetune.envs.gym import core as core
+from servetune.cli_args import add_config_arguments
+from servetune.envs.gym import core
 from servetune.envs.gym.actions import INT_KNOBS, decode, encode
 from servetune.envs.gym.world import build_world, load_env_config
 from servetune.envs.workload.arrivals import read_servegen_trace
 
-ROOT = Path(__file__).resolve().parent.parent
 DIURNAL = "examples/diurnal.yaml"   # run from the repository root (the study hash includes the path)
 
 
@@ -121,10 +123,6 @@ def knobs_of(world, action) -> dict:
             "max_num_queued_reqs": None if queue >= 2**30 else queue}
 
 
-def schedule_from(phase_actions: np.ndarray, phase_of_step: np.ndarray) -> np.ndarray:
-    return phase_actions[phase_of_step]
-
-
 def gym_goodput(config, overrides, options, actions_per_step: np.ndarray, variant: int) -> dict:
     env = gym.make("servetune/ServeControl-v0", config=config, overrides=list(overrides), **options)
     env.reset(options={"workload": variant})
@@ -167,8 +165,7 @@ def run_static_study(config, overrides, trials, storage, study) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=DIURNAL)
-    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    add_config_arguments(parser, default=DIURNAL)
     parser.add_argument("--interval-s", type=float, default=5.0)
     parser.add_argument("--max-num-seqs", type=int, default=64, help="the env's bound on max_num_seqs")
     parser.add_argument("--phase-hours", default="8,11",

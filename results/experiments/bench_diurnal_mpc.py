@@ -11,8 +11,8 @@ Ties go to the static config, so it departs from it only where the look-ahead sa
 Greedy and finite-horizon, it is not the optimum either; but it replans every interval with perfect
 knowledge of the future, so a gain it cannot reach is one a policy that sees only the present is unlikely to.
 
-    python benchmarks/bench_diurnal_mpc.py --horizon 8                  # seats x queue limit, 40 s ahead
-    python benchmarks/bench_diurnal_mpc.py --horizon 12 --budgets 560,789,1200
+    python results/experiments/bench_diurnal_mpc.py --horizon 8                  # seats x queue limit, 40 s ahead
+    python results/experiments/bench_diurnal_mpc.py --horizon 12 --budgets 560,789,1200
 
 The days are eval-policy's held-out ones (the config's workload variants after the ``rl.num_workloads`` trained
 on), under the config's ``rl`` options. The static config is the config's own knobs (examples/diurnal.yaml holds
@@ -31,8 +31,9 @@ import numpy as np
 from rich.progress import track
 from scipy import stats
 
+from servetune.cli_args import add_config_arguments
 from servetune.config_loader import load_config
-from servetune.envs.gym import core as core
+from servetune.envs.gym import core
 from servetune.envs.gym.actions import INT_KNOBS, config_knobs, encode
 from servetune.search.rl.evaluate import final_metrics, heldout_world, play
 from servetune.search.rl.train import intervals_per_episode
@@ -84,8 +85,7 @@ def hold(obs, params, action):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="examples/diurnal.yaml")
-    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    add_config_arguments(parser, default="examples/diurnal.yaml")
     parser.add_argument("--static", default=None,
                         help="the static config, e.g. max_num_seqs=102,max_num_queued_reqs=4 (default: the config's)")
     parser.add_argument("--episodes", type=int, default=5, help="held-out days")
