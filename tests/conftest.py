@@ -47,8 +47,6 @@ def simulator(request):
         from servetune.envs.sim.reference import simulate_reference
 
         return simulate_reference
-    try:
-        from servetune.envs.sim.simulator import simulate_workload
-    except ImportError:
-        pytest.skip("JAX engine not built yet")
+    from servetune.envs.sim.simulator import simulate_workload
+
     return simulate_workload
