@@ -8,12 +8,11 @@ roofline counts every weight as active. The context length is derived as vLLM de
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Optional
 
 from servetune.cost_models.models import ModelSpec
-from servetune.errors import UserError, parse_json, reading_user_file
+from servetune.errors import UserError, parse_json, reading_user_file, show_json
 
 # Families whose MLP is gated (gate and up projections, SiLU/GELU-gated): three matrices per layer.
 GATED_MODEL_TYPES = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "internlm", "internlm2", "gemma", "gemma2",
@@ -66,14 +65,10 @@ def _positive_int(config: dict, keys: tuple[str, ...], path: Path, default: Opti
         raise UserError(f"{path}: {' / '.join(keys)}: missing, expected a positive integer (is this a transformer "
                         "config.json?)")
     if not _is_integer(value, 1, MAX_DIMENSION):
-        raise UserError(f"{path}: {key}: got {_show(value)}, expected an integer in [1, {MAX_DIMENSION}]")
+        raise UserError(f"{path}: {key}: got {show_json(value)}, expected an integer in [1, {MAX_DIMENSION}]")
     return value
 
 
-def _show(value: Any) -> str:
-    """A JSON value as JSON text, cut to a readable length."""
-    text = json.dumps(value)
-    return text if len(text) <= 60 else text[:60] + "..."
 
 
 def _max_len_value(config: dict, key: str, path: Path) -> Optional[int]:
@@ -81,7 +76,7 @@ def _max_len_value(config: dict, key: str, path: Path) -> Optional[int]:
     if value is None:
         return None
     if not _is_integer(value, 2, MAX_LENGTH):
-        raise UserError(f"{path}: {key}: got {_show(value)}, expected an integer in [2, {MAX_LENGTH}]")
+        raise UserError(f"{path}: {key}: got {show_json(value)}, expected an integer in [2, {MAX_LENGTH}]")
     return value
 
 
@@ -93,7 +88,7 @@ def _rope_parameters(config: dict, path: Path) -> list[dict]:
         return []
     if not isinstance(rope, dict):
         key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
-        raise UserError(f"{path}: {key}: got {_show(rope)}, expected a JSON object")
+        raise UserError(f"{path}: {key}: got {show_json(rope)}, expected a JSON object")
     if all(isinstance(v, dict) for v in rope.values()):
         return [v for v in rope.values() if v]
     return [rope]
@@ -125,7 +120,7 @@ def derived_max_model_len(config: dict, path: Path) -> Optional[int]:
         if factor is None:   # vLLM falls back to 1 for a null factor
             factor = 1.0
         if type(factor) not in (int, float) or not 0 < factor <= MAX_ROPE_FACTOR:   # NaN fails too
-            raise UserError(f"{path}: rope_scaling.factor: got {_show(factor)}, expected a number in (0, "
+            raise UserError(f"{path}: rope_scaling.factor: got {show_json(factor)}, expected a number in (0, "
                             f"{MAX_ROPE_FACTOR:g}]")
         derived *= factor
     if any(rope_type in ("longrope", "su") for rope_type in rope_types):
@@ -160,7 +155,7 @@ def load_hf_config(path: Path) -> ModelSpec:
         text = path.read_text(encoding="utf-8")
     config = parse_json(text, path, expected)
     if not isinstance(config, dict):
-        raise UserError(f"{path}: got {_show(config)}, expected {expected}: a JSON object of model settings")
+        raise UserError(f"{path}: got {show_json(config)}, expected {expected}: a JSON object of model settings")
     experts_key, experts = _first(config, EXPERT_COUNT_KEYS)
     if isinstance(experts, int) and experts > 1:
         raise UserError(f"{path}: {experts_key}: got {experts}, expected no experts (mixture-of-experts models are "
@@ -186,7 +181,7 @@ def load_hf_config(path: Path) -> ModelSpec:
     # transformers' PretrainedConfig ties the embeddings unless the config says otherwise.
     tied = config.get("tie_word_embeddings", True)
     if not isinstance(tied, bool):
-        raise UserError(f"{path}: tie_word_embeddings: got {_show(tied)}, expected true or false")
+        raise UserError(f"{path}: tie_word_embeddings: got {show_json(tied)}, expected true or false")
     name = path.parent.name if path.name == "config.json" and path.parent.name else path.stem
     return ModelSpec(name=name, num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads,
                      head_dim=head_dim, intermediate_size=intermediate, vocab_size=vocab, gated_mlp=_gated(config),

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from servetune.cost_models.roofline import Calibration
-from servetune.errors import InvalidValue, UserError, parse_json, reading_user_file
+from servetune.errors import InvalidValue, UserError, parse_json, reading_user_file, show_json
 
 PROFILE_FORMAT = 1
 MAX_PROFILE_BYTES = 16 * 2**20   # calibrate writes a few kilobytes
@@ -98,22 +98,19 @@ def load_profile(path: Path) -> tuple[Calibration, dict[str, Any]]:
     if not isinstance(document, dict):
         raise UserError(f"{path}: got a JSON {type(document).__name__}, expected {expected}: a JSON object")
     if document.get("servetune_cost_profile") != PROFILE_FORMAT:
-        raise UserError(f"{path}: servetune_cost_profile: got {_show(document.get('servetune_cost_profile'))}, "
+        raise UserError(f"{path}: servetune_cost_profile: got {show_json(document.get('servetune_cost_profile'))}, "
                         f"expected {PROFILE_FORMAT}: {expected}")
     values = document.get("calibration")
     names = [field.name for field in dataclasses.fields(Calibration)]
     if not isinstance(values, dict) or set(values) != set(names):
         shown = sorted(values) if isinstance(values, dict) else values
-        raise UserError(f"{path}: calibration: got {_show(shown)}, expected an object of exactly "
+        raise UserError(f"{path}: calibration: got {show_json(shown)}, expected an object of exactly "
                         f"{', '.join(sorted(names))}")
     for name in names:
         expectation, holds = _value_rule(name)
         value = values[name]
         if type(value) not in (int, float) or not holds(value):   # NaN holds no rule
-            raise UserError(f"{path}: calibration.{name}: got {_show(value)}, expected {expectation}")
+            raise UserError(f"{path}: calibration.{name}: got {show_json(value)}, expected {expectation}")
     return Calibration.from_dict(values), document
 
 
-def _show(value: Any) -> str:
-    text = json.dumps(value)
-    return text if len(text) <= 60 else text[:60] + "..."

@@ -7,6 +7,7 @@ several such lines (a config with several bad fields): the CLI prints each on it
 from __future__ import annotations
 
 import json
+import math
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
@@ -113,8 +114,6 @@ def show_yaml(value, *, quote_text: bool = True) -> str:
 
 
 def _as_yaml(value, quote_text: bool) -> str:
-    import math
-
     if value is None:
         return "null"
     if isinstance(value, bool):
