@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import csv
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -23,19 +23,31 @@ from servetune.envs.sim.outcome import (
 from servetune.envs.workload.slos import RequestSlos
 from servetune.envs.workload.requests import Workload
 
-LATENCIES = ("ttft", "tpot", "itl", "e2el")
-STATISTICS = ("mean", "median", "std", "p90", "p99")
+# The percentiles run.json reports unless told otherwise (``servetune simulate --metric-percentiles``).
+DEFAULT_PERCENTILES = (90.0, 99.0)
 
 
-def _summary(values_ms: np.ndarray) -> dict[str, Optional[float]]:
+def percentile_stat(p: float) -> str:
+    """The statistic's name for percentile ``p`` as vLLM spells it in its keys: 99 -> "p99", 99.9 -> "p99.9"
+    (vllm/benchmarks/serve.py:1430, ``p_word``)."""
+    return "p" + (str(int(p)) if int(p) == p else str(p))
+
+
+def statistics(percentiles: Sequence[float] = DEFAULT_PERCENTILES) -> tuple[str, ...]:
+    return ("mean", "median", "std", *(percentile_stat(p) for p in percentiles))
+
+
+STATISTICS = statistics()   # mean, median, std, p90, p99
+
+
+def _summary(values_ms: np.ndarray, percentiles: Sequence[float] = DEFAULT_PERCENTILES) -> dict[str, Optional[float]]:
     if values_ms.size == 0:
-        return {s: None for s in STATISTICS}
+        return {s: None for s in statistics(percentiles)}
     return {
         "mean": float(np.mean(values_ms)),
         "median": float(np.median(values_ms)),
         "std": float(np.std(values_ms)),
-        "p90": float(np.percentile(values_ms, 90)),
-        "p99": float(np.percentile(values_ms, 99)),
+        **{percentile_stat(p): float(np.percentile(values_ms, p)) for p in percentiles},
     }
 
 
@@ -78,8 +90,10 @@ def run_duration(outcome: SimulationOutcome) -> float:
     return max(outcome.totals.end_s - start, 0.0)
 
 
-def compute_metrics(workload: Workload, outcome: SimulationOutcome, slos: RequestSlos, num_kv_blocks: int) -> dict:
-    """The run's metrics, each request judged by its own SLOs (``per_request_slos``)."""
+def compute_metrics(workload: Workload, outcome: SimulationOutcome, slos: RequestSlos, num_kv_blocks: int,
+                    percentiles: Sequence[float] = DEFAULT_PERCENTILES) -> dict:
+    """The run's metrics, each request judged by its own SLOs (``per_request_slos``); ``percentiles`` are the
+    ``p{X}_{ttft,tpot,itl,e2el}_ms`` keys, as vLLM's ``--metric-percentiles`` chooses them."""
     req, totals = outcome.requests, outcome.totals
     completed = req.status == COMPLETED
     arrived = req.status != NOT_ARRIVED
@@ -109,10 +123,10 @@ def compute_metrics(workload: Workload, outcome: SimulationOutcome, slos: Reques
     series = {"ttft": ttft * 1e3, "tpot": tpot * 1e3, "e2el": e2el * 1e3}
     for name in ("ttft", "tpot", "itl", "e2el"):
         if name == "itl":
-            stats = _itl_summary(workload, outcome, completed)
+            stats = _itl_summary(workload, outcome, completed, percentiles)
         else:
-            stats = _summary(series[name])
-        for stat in STATISTICS:
+            stats = _summary(series[name], percentiles)
+        for stat in statistics(percentiles):
             metrics[f"{stat}_{name}_ms"] = stats[stat]
 
     rejected = req.status == REJECTED
@@ -140,12 +154,13 @@ def compute_metrics(workload: Workload, outcome: SimulationOutcome, slos: Reques
     return metrics
 
 
-def _itl_summary(workload: Workload, outcome: SimulationOutcome, completed: np.ndarray) -> dict:
+def _itl_summary(workload: Workload, outcome: SimulationOutcome, completed: np.ndarray,
+                 percentiles: Sequence[float] = DEFAULT_PERCENTILES) -> dict:
     """Pooled ITL: exact mean and std from per-request sums; percentiles from the gap histogram."""
     req = outcome.requests
     gaps = (req.generated_tokens[completed] - 1).sum()
     if gaps == 0:
-        return {s: None for s in STATISTICS}
+        return {s: None for s in statistics(percentiles)}
     span = (req.finish_s - req.first_token_s)[completed].sum()
     mean = span / gaps
     mean_sq = req.itl_sum_sq_s2[completed].sum() / gaps
@@ -159,8 +174,7 @@ def _itl_summary(workload: Workload, outcome: SimulationOutcome, completed: np.n
         "mean": float(mean * 1e3),
         "median": percentile_ms(50),
         "std": float(np.sqrt(max(mean_sq - mean * mean, 0.0)) * 1e3),
-        "p90": percentile_ms(90),
-        "p99": percentile_ms(99),
+        **{percentile_stat(p): percentile_ms(p) for p in percentiles},
     }
 
 

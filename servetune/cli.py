@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from servetune.cli_args import add_config_arguments
 from servetune.cost_models import cli as cost_cli
 from servetune.errors import UserError
 from servetune.paths import check_output_file
@@ -29,7 +30,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return args.func(args)
     except UserError as error:
-        print(f"servetune: error: {error}", file=sys.stderr)
+        for line in error.lines:
+            print(f"servetune: error: {line}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("servetune: interrupted", file=sys.stderr)
@@ -46,15 +48,32 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     simulate = sub.add_parser("simulate", help="run one workload through the scheduler and report vLLM-style metrics")
-    simulate.add_argument("config", help="YAML config (see examples/)")
-    simulate.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                          help="override a config field, e.g. --set scheduler.max_num_seqs=32 (repeatable)")
+    add_config_arguments(simulate)
     simulate.add_argument("--out", type=Path, help="write the metrics, timing and resolved config as JSON")
     simulate.add_argument("--requests-out", type=Path, help="write one CSV row per request")
     simulate.add_argument("--window-s", type=float, metavar="SECONDS",
                           help="width of the arrival time windows in run.json's segments "
                                "(default: a readable tenth of the run)")
+    # vLLM's own flags (vllm bench serve), with their meaning: run.json is the file its --save-result writes.
+    simulate.add_argument("--save-detailed", action="store_true",
+                          help="also write vLLM's per-request arrays in --out (input_lens, output_lens, ttfts, itls, "
+                               "start_times, generated_texts, errors), each request's gaps from the reference "
+                               "simulator")
+    simulate.add_argument("--metric-percentiles", default="90,99", metavar="P,P,...",
+                          help="percentiles reported, as vLLM's flag: 50,90,99 writes p50_*, p90_*, p99_* "
+                               "(default: 90,99)")
+    simulate.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el", metavar="NAME,...",
+                          help="the latency metrics reported (mean, median, std, percentiles), as vLLM's flag: "
+                               "any of ttft, tpot, itl, e2el (default: all four)")
+    simulate.add_argument("--label", help="run.json's label, as vLLM's --label (default: null)")
     simulate.set_defaults(func=run_simulate)
+
+    compare = sub.add_parser("compare", help="a simulated run (run.json) beside a measured one (vllm bench serve "
+                                             "--save-result), metric by metric, with relative errors")
+    compare.add_argument("run", type=Path, help="servetune simulate --out's run.json")
+    compare.add_argument("result", type=Path, help="vllm bench serve --save-result's JSON file")
+    compare.add_argument("--json", action="store_true", help="print the comparison as JSON instead of a table")
+    compare.set_defaults(func=run_compare)
 
     cost_cli.register(sub)
     search_cli.register(sub)
@@ -65,24 +84,31 @@ def _parser() -> argparse.ArgumentParser:
 def run_simulate(args: argparse.Namespace) -> int:
     from servetune.config_loader import load_config
     from servetune.envs.metrics import MIN_WINDOW_S, write_requests_csv
-    from servetune.pipeline import simulate_config
+    from servetune.envs.vllm_format import itl_mismatch_warning, parse_percentile_metrics, parse_percentiles
+    from servetune.pipeline import run_document, simulate_config
 
     if args.window_s is not None and not args.window_s >= MIN_WINDOW_S:
         raise UserError(f"--window-s: got {args.window_s}, expected a width of at least {MIN_WINDOW_S} s")
+    percentiles = parse_percentiles(args.metric_percentiles, "--metric-percentiles")
+    percentile_metrics = parse_percentile_metrics(args.percentile_metrics, "--percentile-metrics")
+    if args.save_detailed and args.out is None:
+        raise UserError("--save-detailed: the per-request arrays go in --out's run.json; give --out too")
     # Before the simulation, so that a run is not lost to a path it cannot write at the end.
     for flag, path in (("--out", args.out), ("--requests-out", args.requests_out)):
         if path is not None:
             check_output_file(path, flag)
     config = load_config(args.config, args.overrides)
-    report = simulate_config(config, args.window_s)
+    report = simulate_config(config, args.window_s, percentiles)
     console = Console()
-    _print_report(console, args.config, report)
+    _print_report(console, args.config, report, percentile_metrics)
     if args.out:
-        document = {**report.metrics, "segments": report.segments, "timing": report.timing,
-                    "workload": report.workload.description, "config": report.config.to_dict(),
-                    "software": software_versions()}
+        document = run_document(report, percentiles=percentiles, percentile_metrics=percentile_metrics,
+                                save_detailed=args.save_detailed, label=args.label)
         args.out.write_text(json.dumps(document, indent=2) + "\n")
         console.print(f"wrote {args.out}")
+        warning = itl_mismatch_warning(document)
+        if warning:
+            print(f"servetune: warning: {warning}", file=sys.stderr)
     if args.requests_out:
         write_requests_csv(args.requests_out, report.workload, report.outcome)
         console.print(f"wrote {args.requests_out}")
@@ -93,11 +119,40 @@ def run_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_compare(args: argparse.Namespace) -> int:
+    from servetune.envs.bench_result import comparison
+
+    answer = comparison(args.result, args.run)
+    if args.json:
+        print(json.dumps(answer, indent=2))
+        return 0
+    table = Table(title=f"simulated {escape(str(args.run))} vs measured {escape(str(args.result))}",
+                  title_justify="left")
+    for column, justify in (("metric", "left"), ("unit", "left"), ("measured", "right"), ("simulated", "right"),
+                            ("rel. error", "right")):
+        table.add_column(column, justify=justify)
+    for row in answer["rows"]:
+        error = row["relative_error"]
+        shown = "—" if error is None else f"{error:+.1%}"
+        colour = "" if error is None else "green" if abs(error) <= 0.1 else "yellow" if abs(error) <= 0.25 else "red"
+        digits = 0 if row["unit"] in ("requests", "tokens") else 2
+        table.add_row(row["metric"], row["unit"], f"{row['measured']:,.{digits}f}", f"{row['simulated']:,.{digits}f}",
+                      f"[{colour}]{shown}[/]" if colour else shown)
+    console = Console()
+    console.print(table)
+    for note in answer["notes"]:
+        console.print(f"note: {escape(note)}")
+    return 0
+
+
 def _ms(value: Optional[float]) -> str:
     return "—" if value is None else f"{value:,.1f}"
 
 
-def _print_report(console: Console, source: str, report) -> None:
+def _print_report(console: Console, source: str, report,
+                  percentile_metrics: Sequence[str] = ("ttft", "tpot", "itl", "e2el")) -> None:
+    from servetune.envs.vllm_format import vllm_request_goodput
+
     m, config = report.metrics, report.config
     scheduler = config.scheduler
     # Unset, max_model_len is what the KV cache holds (SchedulerConfig.model_len_limit).
@@ -109,10 +164,13 @@ def _print_report(console: Console, source: str, report) -> None:
 
     latency = Table(title="latency (ms)", title_justify="left")
     latency.add_column("")
-    for stat in ("mean", "median", "p90", "p99"):
+    # The percentiles simulate_config computed (--metric-percentiles), in the order given.
+    stats = ["mean", "median"] + [key[:-len("_ttft_ms")] for key in m
+                                  if key.startswith("p") and key.endswith("_ttft_ms")]
+    for stat in stats:
         latency.add_column(stat, justify="right")
-    for name in ("ttft", "tpot", "itl", "e2el"):
-        latency.add_row(name.upper(), *(_ms(m[f"{stat}_{name}_ms"]) for stat in ("mean", "median", "p90", "p99")))
+    for name in percentile_metrics:
+        latency.add_row(name.upper(), *(_ms(m[f"{stat}_{name}_ms"]) for stat in stats))
     console.print(latency)
 
     slo = config.slo
@@ -134,6 +192,10 @@ def _print_report(console: Console, source: str, report) -> None:
     classes = [escape(tenant.name) for tenant in (config.workload.tenants or ()) if tenant.slo is not None]
     exceptions = f"; tenants {', '.join(classes)} within their class SLOs" if classes else ""
     summary.add_row("goodput", f"{rate(m['request_goodput'])} req/s within {', '.join(limits) or 'no SLO'}{exceptions}")
+    # vLLM's --goodput has no ITL key and one SLO for every request (envs/vllm_format.py); run.json has both.
+    vllm_goodput = vllm_request_goodput(report.outcome, slo, m["duration"] or 0.0)
+    summary.add_row("vLLM goodput", f"{rate(vllm_goodput)} req/s as vLLM's --goodput judges (no ITL SLO)"
+                    if vllm_goodput is not None else "— (vLLM's --goodput takes ttft, tpot, e2el: none set)")
     summary.add_row("SLO attainment", ("—" if attainment is None else f"{attainment:.1%}") + verdict)
     clipped = f"; {m['clipped_requests']} clipped to max_model_len" if m["clipped_requests"] else ""
     summary.add_row("requests", f"{m['arrived']} arrived = {m['completed']} completed + {m['rejected']} rejected"

@@ -4,13 +4,13 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 from servetune.config import Config
 from servetune.cost_models.catalog import resolve_model
 # The folder a config's relative model path is read from, as the KV-cache sizing reads it.
 from servetune.cost_models.factory import _config_dir, build_cost_model, derive_num_kv_blocks
-from servetune.envs.metrics import compute_metrics, segment_metrics
+from servetune.envs.metrics import DEFAULT_PERCENTILES, compute_metrics, segment_metrics
 from servetune.envs.sim.outcome import SimulationOutcome
 from servetune.envs.sim.simulator import simulate_timed
 from servetune.envs.workload.admission import rate_limited
@@ -101,8 +101,10 @@ def resolve(config: Config) -> Config:
     return resolved
 
 
-def simulate_config(config: Config, window_s: Optional[float] = None) -> RunReport:
-    """Simulate one config; ``window_s`` is the width of the report's arrival time windows (default: readable)."""
+def simulate_config(config: Config, window_s: Optional[float] = None,
+                    percentiles: Sequence[float] = DEFAULT_PERCENTILES) -> RunReport:
+    """Simulate one config; ``window_s`` is the width of the report's arrival time windows (default: readable),
+    ``percentiles`` the metrics' ``p{X}_*_ms`` keys (vLLM's ``--metric-percentiles``)."""
     start = time.perf_counter()
     config = resolve(config)
     workload = build_workload(config.workload, config.source)
@@ -112,7 +114,52 @@ def simulate_config(config: Config, window_s: Optional[float] = None) -> RunRepo
     outcome, compile_s, simulate_s = simulate_timed(
         workload, config.scheduler, cost_fn, cost_params, config.simulation.horizon_s, slos.ttft_ms,
         rate_limited(workload, config.workload.tenants))
-    metrics = compute_metrics(workload, outcome, slos, config.scheduler.num_kv_blocks)
+    metrics = compute_metrics(workload, outcome, slos, config.scheduler.num_kv_blocks, percentiles)
     segments = segment_metrics(workload, outcome, slos, window_s)
     timing = {"load_s": load_s, "compile_s": compile_s, "simulate_s": simulate_s}
     return RunReport(config, workload, outcome, metrics, segments, timing)
+
+
+def request_itls(report: RunReport) -> list[list[float]]:
+    """Each request's inter-token gaps (seconds, workload order), which the JAX engine does not keep: the
+    reference simulator (envs/sim/reference.py, the executable specification the differential tests hold the
+    engine to) runs the same workload, config and cost model. Its cost parameters are NumPy float32, as the
+    engine's, so the two agree to float32 rounding; ``vllm_result`` records the largest disagreement."""
+    import jax
+    import numpy as np
+
+    from servetune.envs.sim.reference import simulate_reference_request_gaps
+
+    config, workload = report.config, report.workload
+    cost_fn, cost_params = build_cost_model(config)
+    cost_params = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), cost_params)
+    jitted = jax.jit(cost_fn)   # one compile, then a cheap call per step (eager JAX would dispatch every op)
+    slos = per_request_slos(config, workload)
+    _, gaps = simulate_reference_request_gaps(
+        workload, config.scheduler, lambda params, batch: float(jitted(params, batch)), cost_params,
+        config.simulation.horizon_s, slos.ttft_ms, rate_limited(workload, config.workload.tenants))
+    return gaps
+
+
+def run_document(report: RunReport, *, percentiles: Sequence[float] = DEFAULT_PERCENTILES,
+                 percentile_metrics: Optional[Sequence[str]] = None, save_detailed: bool = False,
+                 label: Optional[str] = None) -> dict:
+    """run.json: the run as `vllm bench serve --save-result [--save-detailed]` writes it
+    (``servetune.envs.vllm_format.vllm_result``), then servetune's own metrics, segments, timing, workload,
+    resolved config and software versions. ``percentiles`` must be those ``simulate_config`` computed."""
+    from servetune.envs.vllm_format import DEFAULT_PERCENTILE_METRICS, vllm_result
+    from servetune.envs.metrics import statistics
+    from servetune.versions import software_versions
+
+    chosen = DEFAULT_PERCENTILE_METRICS if percentile_metrics is None else tuple(percentile_metrics)
+    vllm = vllm_result(report.workload, report.outcome, report.metrics, workload_config=report.config.workload,
+                       slo=report.config.slo, model_id=str(report.config.model), label=label,
+                       percentiles=percentiles, percentile_metrics=chosen,
+                       request_itls=request_itls(report) if save_detailed else None)
+    # Latency statistics of the metrics left out of --percentile-metrics are left out, as vLLM leaves them.
+    skipped = {f"{stat}_{name}_ms" for name in DEFAULT_PERCENTILE_METRICS if name not in chosen
+               for stat in statistics(percentiles)}
+    own = {key: value for key, value in report.metrics.items() if key not in vllm and key not in skipped}
+    return {**vllm, **own, "segments": report.segments, "timing": report.timing,
+            "workload": report.workload.description, "config": report.config.to_dict(),
+            "software": software_versions()}

@@ -23,14 +23,16 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("cost model", ("servetune.cost_models",)),
     ("workload", ("servetune.envs.workload",)),
     ("simulator", ("servetune.envs.sim",)),
-    ("metrics", ("servetune.envs.metrics",)),
+    # vLLM's result files: writing run.json in their shape, reading them back for `servetune compare`.
+    ("metrics", ("servetune.envs.metrics", "servetune.envs.vllm_format", "servetune.envs.bench_result")),
     # Reading a config checks it against the catalogues and the workload's formats, then resolves it into
     # what the simulator runs (the KV-cache size vLLM would derive, vLLM's start-up refusals).
     ("config loading", ("servetune.config_loader", "servetune.pipeline", "servetune.vllm_defaults")),
     ("environments", ("servetune.envs.gym",)),
     ("search", ("servetune.search",)),
-    ("command line", ("servetune.cli", "servetune.cost_models.cli", "servetune.search.cli",
-                      "servetune.search.rl.cli")),
+    # The Python API (servetune.api) is the command line's twin for scripts: it wraps what the commands call.
+    ("command line", ("servetune.cli", "servetune.cli_args", "servetune.api", "servetune.cost_models.cli",
+                      "servetune.search.cli", "servetune.search.rl.cli")),
 ]
 RANK = {name: rank for rank, (name, _) in enumerate(LAYERS)}
 

@@ -86,6 +86,23 @@ def simulate_reference_detailed(
     return engine.outcome(), np.asarray(engine.gaps, dtype=np.float64), engine.step_log
 
 
+def simulate_reference_request_gaps(
+    workload: Workload,
+    scheduler: SchedulerConfig,
+    cost_fn: CostFn,
+    cost_params,
+    horizon_s: Optional[float] = None,
+    ttft_slo_ms: Optional[np.ndarray] = None,
+    rate_limited: Optional[np.ndarray] = None,
+) -> tuple[SimulationOutcome, list[list[float]]]:
+    """Like ``simulate_reference``, plus each request's own inter-token gaps in emission order (float64
+    seconds; empty below two tokens), in workload order: what ``servetune simulate --save-detailed`` writes as
+    vLLM's per-request ``itls`` (the JAX engine keeps only each request's largest gap and a pooled histogram)."""
+    engine = _Engine(workload, scheduler, cost_fn, cost_params, horizon_s, ttft_slo_ms, rate_limited)
+    engine.run()
+    return engine.outcome(), [r.gaps for r in engine.requests]
+
+
 @dataclass(frozen=True)
 class StepRecord:
     """One scheduling decision: when its step ran, the tokens each request got (in vLLM's order: running
@@ -123,6 +140,7 @@ class _Request:
     preemptions: int = 0
     max_itl_s: float = math.nan
     itl_sum_sq_s2: float = 0.0
+    gaps: list = field(default_factory=list)   # its inter-token gaps, in order (simulate_reference_request_gaps)
     placeholders: int = 0          # async: output tokens of steps in flight, counted before they are delivered
     stale: int = 0                 # steps in flight when it was preempted, whose output still arrives ...
     stale_tokens: int = 0          # ... and the tokens they emit
@@ -622,6 +640,7 @@ class _Engine:
         else:
             gap = at - request.last_token_s  # spans any preemption in between
             self.gaps.append(gap)
+            request.gaps.append(gap)
             request.max_itl_s = gap if math.isnan(request.max_itl_s) else max(request.max_itl_s, gap)
             request.itl_sum_sq_s2 += gap * gap
         request.last_token_s = at
