@@ -54,7 +54,8 @@ def load_config(path: PathLike, overrides: Sequence[str] = ()) -> Config:
 class Simulation:
     """One simulated run, as ``servetune simulate --out run.json --requests-out requests.csv`` writes it."""
 
-    metrics: dict                  # run.json's metrics: vllm bench serve's keys and servetune's (docs/outputs.md)
+    metrics: dict                  # run.json less its segments, timing, workload, config and software: vllm bench
+                                   # serve's keys (as --save-result writes them) and servetune's (docs/outputs.md)
     requests: dict[str, np.ndarray]   # requests.csv's columns, one entry per arrived request
     segments: dict                 # run.json's "segments": the run by tenant, priority, prompt length, time window
     config: Config                 # the config as simulated (num_kv_blocks, max_model_len filled in)
@@ -74,7 +75,7 @@ def simulate(config: Union[Config, PathLike], overrides: Sequence[str] = (), *,
     """
     from servetune.envs.metrics import MIN_WINDOW_S
     from servetune.envs.sim.outcome import NOT_ARRIVED, REJECT_NAMES, STATUS_NAMES
-    from servetune.pipeline import simulate_config
+    from servetune.pipeline import run_document, simulate_config
 
     config = _config(config, overrides)
     if window_s is not None and not window_s >= MIN_WINDOW_S:
@@ -93,7 +94,10 @@ def simulate(config: Union[Config, PathLike], overrides: Sequence[str] = (), *,
         "reject_reason": np.array([REJECT_NAMES[int(r)] for r in req.reject_reason[arrived]], dtype=object),
         "generated_tokens": req.generated_tokens[arrived],
     }
-    return Simulation(report.metrics, requests, report.segments, report.config, report.timing)
+    document = run_document(report)
+    metrics = {key: value for key, value in document.items()
+               if key not in ("segments", "timing", "workload", "config", "software")}
+    return Simulation(metrics, requests, report.segments, report.config, report.timing)
 
 
 def tune(config: Union[Config, PathLike], study: Optional[str] = None, *, storage: Optional[str] = None,
