@@ -9,8 +9,11 @@ commits are in ../shared/data/MANIFEST.md):
 * Vidur ``attention_legacy/<gpu>/attention.csv``: attention kernel times per layer, decode (batch x context)
   and prefill (chunk x cached prefix), in the head layout the file's columns state.
 * Vidur ``network/<node>/all_reduce.csv``: all-reduce times vs bytes on one NVLink node (TP 2, 4, 8).
-* Vidur ``cpu_overheads/<gpu>/cpu_overheads.csv``: host time per step (schedule + sampler + prepare inputs +
-  process outputs) by batch size, for the profiled model.
+* Vidur ``cpu_overheads/<gpu>/cpu_overheads.csv``: host time per step in each phase (schedule, sampler,
+  prepare inputs, process outputs) by batch size and TP, for six models: one data set per phase. Scheduling,
+  input preparation and output processing do not depend on the model, so every row is used (the TP 2 and 4
+  rows fit ``host_multi_gpu_overhead_s``); sampling does (it works on the vocabulary), so only the profiled
+  model's rows are (all rows when it has none).
 * DistServe ``profiler-*.json``: fitted whole-step times for OPT models (prefill a + b·Σlen + c·Σlen², decode
   a + b·Σcontext + c·batch), evaluated on a grid of batches inside the range they were fitted on.
 
@@ -43,19 +46,27 @@ import scipy.optimize
 from servetune.cost_models.catalog import resolve_model
 from servetune.cost_models.gpus import GpuSpec
 from servetune.cost_models.models import DTYPE_BYTES
-from servetune.cost_models.roofline import (ELEMENTWISE_KERNELS_PER_LAYER, Calibration, RooflineParams,
-                                            build_roofline_params, host_overhead_s, kernel_time_s,
-                                            layer_elementwise_elements_per_token, layer_matmul_shapes,
-                                            step_time_s)
+from servetune.cost_models.roofline import (ELEMENTWISE_KERNELS_PER_LAYER, HOST_PHASES, Calibration,
+                                            RooflineParams, build_roofline_params, host_phase_time_s,
+                                            kernel_time_s, layer_elementwise_elements_per_token,
+                                            layer_matmul_shapes, step_costs, step_time_s)
 from servetune.errors import UserError
 from servetune.types import StepBatch
 
 MS = 1e-3
 MATMUL_OPERATORS = ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj")
 ELEMENTWISE_OPERATORS = ("input_layernorm", "attn_rope", "post_attention_layernorm", "mlp_act", "add")
-HOST_PHASES = ("schedule", "sampler_e2e", "prepare_inputs_e2e", "process_model_outputs")
+# Vidur's column for each of the roofline's host phases (roofline.HOST_PHASES)
+VIDUR_HOST_COLUMNS = {"schedule": "schedule", "prepare_inputs": "prepare_inputs_e2e", "sampler": "sampler_e2e",
+                      "process_outputs": "process_model_outputs"}
+MODEL_INDEPENDENT_HOST_PHASES = ("schedule", "prepare_inputs", "process_outputs")
 EFFICIENCIES = ("matmul_compute_efficiency", "matmul_memory_efficiency", "elementwise_memory_efficiency",
                 "attention_compute_efficiency", "attention_memory_efficiency", "allreduce_efficiency")
+
+
+def is_fraction(name: str) -> bool:
+    """Whether a calibration field is a fraction in (0, 1) (an efficiency or a host phase's share)."""
+    return name in EFFICIENCIES or name.endswith("_share")
 # The grid DistServe's fits are evaluated on: decode batches on both sides of the batch size where its
 # coefficients switch (95), prompts within the 2,048 positions OPT supports.
 DISTSERVE_PREFILL_LENGTHS = (64, 128, 256, 512, 1024, 2048)
@@ -186,20 +197,28 @@ def load_vidur_allreduce(path: Path) -> Dataset:
     workers = _column(rows, "num_workers", path)
     size = _column(rows, "size", path)
     # A ring all-reduce takes 2(n-1) hops and sends 2(n-1)/n of the message from every GPU, in each
-    # direction at once.
+    # direction at once (roofline.allreduce_time_s); "bytes" are those sent.
     return Dataset(name="allreduce", kind="allreduce", measured_s=_median_ms(rows, "all_reduce", path) * MS,
                    fold_key=size.astype(int), key_space="bytes",
-                   features={"bytes": 2 * (workers - 1) / workers * size, "ring_steps": 2 * (workers - 1)})
+                   features={"bytes": 2 * (workers - 1) / workers * size, "ring_steps": 2 * (workers - 1),
+                             "workers": workers})
 
 
-def load_vidur_host(path: Path, model_id: Optional[str]) -> Dataset:
-    """Host-side time per step by batch size, for ``model_id`` (all models if it has no rows)."""
+def load_vidur_host(path: Path, model_id: Optional[str]) -> list[Dataset]:
+    """Host time per step of each phase (``host.<phase>``) by batch size and TP: every model's rows for the
+    phases that do not depend on the model, ``model_id``'s for sampling (every row if it has none). In
+    Vidur's decode-only batches every request samples one token, as in vLLM V1's steps."""
     rows = _read_csv(path)
-    chosen = [row for row in rows if row.get("model_name") == model_id] or rows
-    measured_ms = sum(_column(chosen, f"{phase}_median", path) for phase in HOST_PHASES)
-    batch = _column(chosen, "batch_size", path)
-    return Dataset(name="host", kind="host", measured_s=measured_ms * MS, fold_key=batch.astype(int),
-                   features={"seqs": batch})
+    own = [row for row in rows if row.get("model_name") == model_id] or rows
+    datasets = []
+    for phase, column in VIDUR_HOST_COLUMNS.items():
+        chosen = rows if phase in MODEL_INDEPENDENT_HOST_PHASES else own
+        batch = _column(chosen, "batch_size", path)
+        tp = _column(chosen, "tensor_parallel_degree", path)
+        datasets.append(Dataset(name=f"host.{phase}", kind="host", measured_s=_column(chosen, f"{column}_median", path)
+                                * MS, fold_key=batch.astype(int),
+                                features={"seqs": batch, "multi_gpu": (tp > 1).astype(float), "phase": phase}))
+    return datasets
 
 
 def _stack(items: list) -> object:
@@ -259,27 +278,29 @@ def predict(dataset: Dataset, calibration: Calibration, gpu: GpuSpec) -> jnp.nda
     if dataset.kind == "elementwise":
         return (ELEMENTWISE_KERNELS_PER_LAYER * c.kernel_overhead_s
                 + f["bytes"] / (bandwidth * c.elementwise_memory_efficiency))
-    if dataset.kind == "allreduce":
-        return f["ring_steps"] * c.allreduce_latency_s + f["bytes"] / (link * c.allreduce_efficiency)
-    if dataset.kind == "host":
-        return c.per_step_overhead_s + c.per_request_overhead_s * f["seqs"]
+    if dataset.kind == "allreduce":   # roofline.allreduce_time_s, from the bytes each GPU sends
+        return (c.allreduce_base_latency_s + f["ring_steps"] * c.allreduce_latency_s
+                + f["bytes"] / (link * c.allreduce_efficiency))
+    if dataset.kind == "host":   # one phase, or (no "phase") all four: Vidur's decode batches sample every request
+        phases = [f["phase"]] if "phase" in f else HOST_PHASES
+        return sum(host_phase_time_s(c, phase, f["seqs"], f["seqs"], f.get("multi_gpu", 0.0)) for phase in phases)
     if dataset.kind in ("step", "gpu_step", "layer_step"):
         params = dataclasses.replace(f["params"], calibration=c)
         batch = jax.tree_util.tree_map(jnp.asarray, f["batch"])
-        time = step_time_s(params, batch)
         if dataset.kind == "step":
-            return time
-        time = time - host_overhead_s(c, batch)
+            return step_time_s(params, batch)
+        time = step_costs(params, batch).gpu_s
         # layer_step: the layers' operators without the attention kernel (none was measured)
         return time - params.num_layers * c.attention_overhead_s if dataset.kind == "layer_step" else time
     raise ValueError(f"unknown data set kind {dataset.kind}")
 
 
-def _to_calibration(theta: jnp.ndarray, names: tuple[str, ...], base: Optional[Calibration] = None) -> Calibration:
-    """The calibration ``theta`` (unconstrained values of ``names``) stands for; the other fields from ``base``."""
+def to_calibration(theta: jnp.ndarray, names: tuple[str, ...], base: Optional[Calibration] = None) -> Calibration:
+    """The calibration ``theta`` (unconstrained values of ``names``) stands for; the other fields from ``base``.
+    Fractions (efficiencies, host shares) are sigmoids, the roofline sharpness 1 + softplus, times exponentials."""
     values = {}
     for name, value in zip(names, theta):
-        if name in EFFICIENCIES:
+        if is_fraction(name):
             values[name] = jax.nn.sigmoid(value)
         elif name == "roofline_sharpness":
             values[name] = 1.0 + jax.nn.softplus(value)
@@ -288,11 +309,12 @@ def _to_calibration(theta: jnp.ndarray, names: tuple[str, ...], base: Optional[C
     return Calibration(**values) if base is None else dataclasses.replace(base, **values)
 
 
-def _from_calibration(calibration: Calibration, names: tuple[str, ...]) -> np.ndarray:
+def from_calibration(calibration: Calibration, names: tuple[str, ...]) -> np.ndarray:
+    """The unconstrained values of ``names`` in ``calibration``: the inverse of ``to_calibration``."""
     theta = []
     for name in names:
         value = float(getattr(calibration, name))
-        if name in EFFICIENCIES:
+        if is_fraction(name):
             value = min(max(value, 1e-4), 1 - 1e-4)
             theta.append(np.log(value / (1 - value)))
         elif name == "roofline_sharpness":
@@ -332,7 +354,7 @@ def fit_with_status(datasets: list[Dataset], gpu: GpuSpec, initial: Calibration 
         base = Calibration(**{name: jnp.float64(float(getattr(initial, name))) for name in all_names})
 
         def loss(theta):
-            calibration = _to_calibration(theta, names, base)
+            calibration = to_calibration(theta, names, base)
             errors = [d.weight * jnp.mean((jnp.log(predict(d, calibration, gpu)) - jnp.log(d.measured_s)) ** 2)
                       for d in usable]
             return sum(errors) / sum(d.weight for d in usable)
@@ -343,9 +365,9 @@ def fit_with_status(datasets: list[Dataset], gpu: GpuSpec, initial: Calibration 
             value, grad = value_and_grad(jnp.asarray(theta))
             return float(value), np.asarray(grad, dtype=np.float64)
 
-        result = scipy.optimize.minimize(objective, _from_calibration(initial, names), jac=True, method="L-BFGS-B",
+        result = scipy.optimize.minimize(objective, from_calibration(initial, names), jac=True, method="L-BFGS-B",
                                          options={"maxiter": 2000})
-        fitted = _to_calibration(jnp.asarray(result.x), names, base)
+        fitted = to_calibration(jnp.asarray(result.x), names, base)
         calibration = Calibration.from_dict({name: float(getattr(fitted, name)) for name in all_names})
     finite = bool(np.isfinite(result.fun)) and bool(np.all(np.isfinite(result.x)))
     message = result.message if isinstance(result.message, str) else str(result.message)
@@ -513,7 +535,7 @@ def calibrate(operator_dirs: list[Path], attention_csv: Optional[Path], allreduc
         datasets.append(load_vidur_allreduce(allreduce_csv))
     if host_csv is not None:
         model_id = "/".join(Path(operator_dirs[0]).parts[-2:]) if operator_dirs else None
-        datasets.append(load_vidur_host(host_csv, model_id))
+        datasets += load_vidur_host(host_csv, model_id)
     if distserve_json is not None:
         datasets += load_distserve_steps(distserve_json, gpu)
 

@@ -19,7 +19,8 @@ Jacobian of log step time at the starting calibration) is examined in a fixed or
 parameter is fitted when it moves the step times at all and is not (almost) a combination of those already
 chosen. Every per-step constant (kernel launches, attention setup, host time per step) moves every step by
 the same seconds, so only their sum is identifiable: it is fitted as ``per_step_overhead_s``, the others keep
-their starting values. The rest come from the starting calibration: the shipped profile of the GPU if there is
+their starting values. The host time's split between its phases (the ``host_*_share`` fields) never changes a
+step's total, so it is never fitted here. The rest come from the starting calibration: the shipped profile of the GPU if there is
 one, else the datasheet defaults (or ``--initial``).
 
 Accuracy is reported per batch kind (prefill-only, decode-only, mixed) for the fit on every row (in-sample), for
@@ -39,8 +40,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from servetune.cost_models.calibrate import (Dataset, FitStatus, _from_calibration, _to_calibration, error_summary,
-                                             fit_with_status, fold_of, predict)
+from servetune.cost_models.calibrate import (Dataset, FitStatus, error_summary, fit_with_status, fold_of,
+                                             from_calibration, predict, to_calibration)
 from servetune.cost_models.gpus import GpuSpec
 from servetune.cost_models.models import ModelSpec
 from servetune.cost_models.roofline import Calibration, build_roofline_params
@@ -59,7 +60,10 @@ ROWS_PER_PARAMETER = 2
 PREFERENCE = ("per_step_overhead_s", "matmul_memory_efficiency", "matmul_compute_efficiency",
               "attention_memory_efficiency", "attention_compute_efficiency", "per_request_overhead_s",
               "roofline_sharpness", "elementwise_memory_efficiency", "allreduce_efficiency", "allreduce_latency_s",
-              "kernel_overhead_s", "attention_overhead_s")
+              "kernel_overhead_s", "attention_overhead_s", "allreduce_base_latency_s", "host_multi_gpu_overhead_s",
+              "eager_launch_overhead_s")
+# Not considered: the host phases' shares (roofline.HOST_PHASES), which split the host time between phases
+# without changing a step's total, so no step time can tell them apart.
 # A parameter is identifiable when moving its unconstrained value by 1 (an efficiency's logit, a time's log)
 # moves the rows' log step times by at least MIN_SENSITIVITY (RMS), and at least MIN_INDEPENDENCE of that
 # movement is not already a combination of the chosen parameters' movements.
@@ -199,10 +203,14 @@ def _read_row(text: Callable[[str], Optional[str]], where: str, columns: dict) -
             "step_time_ms": time_ms, "cached_prefix_tokens": cached, "prefill_requests": chunks}
 
 
-def steps_dataset(rows: StepRows, model: ModelSpec, gpu: GpuSpec, tp: int, gpu_time_only: bool = False) -> Dataset:
+def steps_dataset(rows: StepRows, model: ModelSpec, gpu: GpuSpec, tp: int, gpu_time_only: bool = False,
+                  async_scheduling: bool = False, cudagraph_capture_size: Optional[int] = None) -> Dataset:
     """The rows as a calibration data set of whole steps of ``model`` on ``tp`` ``gpu``s. ``gpu_time_only``: the
-    times are GPU kernel time (a profiler's sum), without the host's per-step and per-request time."""
-    geometry = build_roofline_params(model, gpu, tp)
+    times are GPU kernel time (a profiler's sum), without the host's per-step and per-request time.
+    ``async_scheduling``: the steps ran with the host work overlapping the GPU (a step is max(GPU, host)).
+    ``cudagraph_capture_size``: larger steps ran eagerly (see ``roofline.build_roofline_params``)."""
+    geometry = build_roofline_params(model, gpu, tp, async_scheduling=async_scheduling,
+                                     cudagraph_capture_size=cudagraph_capture_size)
     geometry = jax.tree_util.tree_map(lambda leaf: np.float64(leaf), geometry)
     shape = np.unique(np.stack([rows.prefill_tokens, rows.decode_requests], axis=1), axis=0, return_inverse=True)[1]
     return Dataset(name="steps", kind="gpu_step" if gpu_time_only else "step", measured_s=rows.step_time_s,
@@ -218,9 +226,9 @@ def sensitivities(dataset: Dataset, gpu: GpuSpec, initial: Calibration,
         base = Calibration(**{name: jnp.float64(float(getattr(initial, name))) for name in all_names})
 
         def log_times(theta):
-            return jnp.log(predict(dataset, _to_calibration(theta, names, base), gpu))
+            return jnp.log(predict(dataset, to_calibration(theta, names, base), gpu))
 
-        theta = jnp.asarray(_from_calibration(initial, names))
+        theta = jnp.asarray(from_calibration(initial, names))
         return np.asarray(jax.jacfwd(log_times)(theta), dtype=np.float64)
 
 
@@ -268,10 +276,11 @@ def _by_kind(measured_s: np.ndarray, kinds: np.ndarray, predictions: dict[str, n
 
 def calibrate_steps(rows: StepRows, model: ModelSpec, gpu: GpuSpec, tp: int, initial: Calibration,
                     names: Optional[list[str]] = None, folds: int = 5, seed: int = 0, gpu_time_only: bool = False,
-                    progress: Callable[[str], None] = lambda message: None) -> StepsCalibration:
+                    progress: Callable[[str], None] = lambda message: None, async_scheduling: bool = False,
+                    cudagraph_capture_size: Optional[int] = None) -> StepsCalibration:
     """Fit ``names`` (default: the identifiable parameters) to the rows, starting from ``initial``; report the
     in-sample and k-fold held-out errors per batch kind next to the uncalibrated roofline's and ``initial``'s."""
-    dataset = steps_dataset(rows, model, gpu, tp, gpu_time_only)
+    dataset = steps_dataset(rows, model, gpu, tp, gpu_time_only, async_scheduling, cudagraph_capture_size)
     return calibrate_dataset(dataset, rows.kind, gpu, initial, names, folds, seed, str(rows.path), progress)
 
 

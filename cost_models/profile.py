@@ -4,7 +4,10 @@
      "calibrated_on": {...data files...}, "accuracy": {...k-fold errors...}}
 
 Only ``calibration`` is needed to cost a step; the rest records where the numbers came from and how well they
-did. A profile holds fractions of the datasheet peaks, so applying it to another GPU or model is an
+did. ``calibration`` must hold the fields every profile has had (``REQUIRED_FIELDS``); the fields added since
+(the host phases' shares, ``host_multi_gpu_overhead_s``, ``allreduce_base_latency_s``,
+``eager_launch_overhead_s``) may be absent, and then take ``Calibration``'s defaults (documented there and in
+docs/cost-models.md), so a profile written before them still loads and costs a TP 1 step as it did. A profile holds fractions of the datasheet peaks, so applying it to another GPU or model is an
 extrapolation (the accuracy section says what it was measured on).
 """
 from __future__ import annotations
@@ -18,6 +21,11 @@ from servetune.cost_models.roofline import Calibration
 from servetune.errors import InvalidValue, UserError, parse_json, reading_user_file, show_json
 
 PROFILE_FORMAT = 1
+# The calibration fields of the first profiles: required. Any other Calibration field is optional.
+REQUIRED_FIELDS = ("matmul_compute_efficiency", "matmul_memory_efficiency", "elementwise_memory_efficiency",
+                   "attention_compute_efficiency", "attention_memory_efficiency", "allreduce_efficiency",
+                   "roofline_sharpness", "kernel_overhead_s", "attention_overhead_s", "per_step_overhead_s",
+                   "per_request_overhead_s", "allreduce_latency_s")
 MAX_PROFILE_BYTES = 16 * 2**20   # calibrate writes a few kilobytes
 SHIPPED_PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
 
@@ -75,6 +83,7 @@ def find_profile(profile: Optional[str], base_dir: Optional[Path] = None) -> Pat
 # The bounds of a profile's values: what calibrate's fit can produce (efficiencies are sigmoids, the sharpness
 # 1 + softplus, times exponentials), with times cut at a second, far above any kernel or host overhead.
 _EFFICIENCY = ("a number in (0, 1]", lambda value: 0 < value <= 1)
+_SHARE = ("a share in (0, 1]", lambda value: 0 < value <= 1)
 _SHARPNESS = ("a number in [1, 100]", lambda value: 1 <= value <= 100)
 _SECONDS = ("seconds in (0, 1]", lambda value: 0 < value <= 1)
 
@@ -82,6 +91,8 @@ _SECONDS = ("seconds in (0, 1]", lambda value: 0 < value <= 1)
 def _value_rule(name: str) -> tuple[str, Callable[[float], bool]]:
     if name.endswith("_efficiency"):
         return _EFFICIENCY
+    if name.endswith("_share"):
+        return _SHARE
     return _SHARPNESS if name == "roofline_sharpness" else _SECONDS
 
 
@@ -102,11 +113,15 @@ def load_profile(path: Path) -> tuple[Calibration, dict[str, Any]]:
                         f"expected {PROFILE_FORMAT}: {expected}")
     values = document.get("calibration")
     names = [field.name for field in dataclasses.fields(Calibration)]
-    if not isinstance(values, dict) or set(values) != set(names):
+    if (not isinstance(values, dict) or not set(REQUIRED_FIELDS) <= set(values)
+            or not set(values) <= set(names)):
         shown = sorted(values) if isinstance(values, dict) else values
+        optional = sorted(set(names) - set(REQUIRED_FIELDS))
         raise UserError(f"{path}: calibration: got {show_json(shown)}, expected an object of exactly "
-                        f"{', '.join(sorted(names))}")
+                        f"{', '.join(sorted(REQUIRED_FIELDS))} (and optionally {', '.join(optional)})")
     for name in names:
+        if name not in values:
+            continue
         expectation, holds = _value_rule(name)
         value = values[name]
         if type(value) not in (int, float) or not holds(value):   # NaN holds no rule

@@ -12,9 +12,23 @@ bytes / achieved bandwidth)``, and the step is their sum, because the kernels ru
 
 Compute-bound work (the prefill phase) runs at the *compute* efficiencies, memory-bound work (the decode
 phase) at the *memory* efficiencies: separate achievable fractions of the datasheet peaks. On top come
-a fixed cost per kernel (launch and tail: the per-layer overhead is this times the kernels in a layer), per
-step and per scheduled request (host-side scheduling, input preparation, sampling), and two ring
-all-reduces per layer under tensor parallelism, over the interconnect.
+a fixed cost per kernel (launch and tail: the per-layer overhead is this times the kernels in a layer) and
+two ring all-reduces per layer under tensor parallelism, over the interconnect: each costs a fixed
+``allreduce_base_latency_s``, ``2(n - 1)`` hops of ``allreduce_latency_s`` and ``2(n - 1)/n`` of the
+message over the link. A step of more tokens than vLLM captures CUDA graphs for
+(``max_cudagraph_capture_size``, 512 by default) runs eagerly and pays ``eager_launch_overhead_s`` per kernel
+it launches. Together these are the step's GPU time.
+
+Beyond the GPU, the engine's host spends time on every step in four phases (vLLM V1's names in brackets):
+scheduling [``Scheduler.schedule``], input preparation [``GPUModelRunner._prepare_inputs``], sampling
+[``Sampler``] and output processing [``Scheduler.update_from_output``]. Each phase costs a share of
+``per_step_overhead_s`` a step; scheduling and input preparation a share of ``per_request_overhead_s`` per
+scheduled request, sampling and output processing their share per sampled token (vLLM V1 samples one
+token for every scheduled request, partial prefills included, and discards the partial ones: so sampled
+tokens = scheduled requests here); input preparation ``host_multi_gpu_overhead_s`` more a step under
+tensor parallelism (the inputs go to every worker). Without async scheduling a step takes GPU + host time;
+with it (vLLM 0.33's default) the host work of step k + 1 runs while the GPU runs step k, so a step takes
+``max(GPU, host)``: see ``host_hidden_s``.
 
 Grouped-query attention is counted by giving K and V projections and KV bytes ``kv_heads`` heads, not
 ``heads``; a gated MLP has three weight matrices (gate, up, down) instead of two.
@@ -28,6 +42,7 @@ Everything is element-wise float32 JAX, so a step's ``StepBatch`` may carry any 
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import jax.numpy as jnp
 
@@ -70,12 +85,35 @@ class Calibration:
     roofline_sharpness: jnp.ndarray = 2.0
     kernel_overhead_s: jnp.ndarray = 4e-6
     attention_overhead_s: jnp.ndarray = 1e-5
-    per_step_overhead_s: jnp.ndarray = 1e-3
-    per_request_overhead_s: jnp.ndarray = 1e-5
+    per_step_overhead_s: jnp.ndarray = 1e-3     # host time a step, all four phases
+    per_request_overhead_s: jnp.ndarray = 1e-5  # host time per scheduled request (and sampled token), all phases
     allreduce_latency_s: jnp.ndarray = 5e-6     # per hop of the ring
+    # --- added with the host phases (issue 16); a profile written before them loads with these defaults ---
+    # Each host phase's share of per_step_overhead_s and of per_request_overhead_s (normalised by their sums,
+    # so only ratios matter). Defaults: Vidur's A100 measurement of Llama-2-7B at TP 1 (cpu_overheads.csv,
+    # medians, batch 8-128, least squares a + b·batch per phase): per step 0.01 / 0.26 / 0.45 / 0.07 ms,
+    # per request 15.9 / 5.9 / 5.3 / 15.6 µs for schedule / prepare inputs / sampler / process outputs.
+    host_schedule_step_share: jnp.ndarray = 0.017
+    host_prepare_inputs_step_share: jnp.ndarray = 0.327
+    host_sampler_step_share: jnp.ndarray = 0.573
+    host_process_outputs_step_share: jnp.ndarray = 0.082
+    host_schedule_request_share: jnp.ndarray = 0.372
+    host_prepare_inputs_request_share: jnp.ndarray = 0.138
+    host_sampler_request_share: jnp.ndarray = 0.125
+    host_process_outputs_request_share: jnp.ndarray = 0.365
+    # Input preparation's extra host time a step when the inputs go to several workers (tp > 1): Vidur's
+    # prepare_inputs at TP 2 and 4 is ~0.45 ms above TP 1 at every batch size.
+    host_multi_gpu_overhead_s: jnp.ndarray = 4.5e-4
+    # A collective's fixed cost (launch and synchronisation) besides its ring hops: NCCL all-reduces of a few
+    # KB on one NVLink node take 7-60 µs in Vidur's a100_dgx/h100_dgx files whatever the worker count.
+    allreduce_base_latency_s: jnp.ndarray = 2e-5
+    # Host time to launch one kernel, paid by steps run eagerly (more tokens than vLLM captures CUDA graphs
+    # for). A-priori, not measured by any file here: cudaLaunchKernel plus PyTorch's dispatch is a few µs.
+    eager_launch_overhead_s: jnp.ndarray = 3e-6
 
     @classmethod
     def from_dict(cls, values: dict) -> "Calibration":
+        """The calibration of ``values``; a field it lacks keeps its default (see the class)."""
         names = {field.name for field in dataclasses.fields(cls)}
         return cls(**{name: jnp.float32(values[name]) for name in names if name in values})
 
@@ -108,6 +146,10 @@ class RooflineParams:
     memory_bytes_per_s: jnp.ndarray
     link_bytes_per_s: jnp.ndarray             # one direction of the interconnect
     calibration: Calibration
+    # Serving options (not calibrated; defaults keep the synchronous, CUDA-graph-free step of before):
+    multi_gpu: jnp.ndarray = 0.0              # 1 when tp > 1: the host sends each step's inputs to every worker
+    async_scheduling: jnp.ndarray = 0.0       # 1: host work overlaps the previous GPU step (step = max(gpu, host))
+    cudagraph_max_tokens: jnp.ndarray = float("inf")   # steps of at most this many tokens replay a CUDA graph
 
 
 def layer_matmul_shapes(hidden, q_heads, kv_heads, head_dim, ffn, gated):
@@ -124,8 +166,23 @@ def layer_elementwise_elements_per_token(hidden, q_heads, kv_heads, head_dim, ff
     return 7 * hidden + 2 * (q_heads + kv_heads) * head_dim + (2 + gated) * ffn
 
 
+# vLLM 0.33's default max_cudagraph_capture_size (vllm/config/vllm.py, _set_cudagraph_sizes): min(512, 2 ×
+# max_num_seqs, max_num_batched_tokens); 1024 on data-centre Blackwell.
+VLLM_MAX_CUDAGRAPH_CAPTURE_SIZE = 512
+
+
+def vllm_cudagraph_capture_size(max_num_seqs: int, max_num_batched_tokens: int, blackwell: bool = False) -> int:
+    """The largest batch (in tokens) vLLM 0.33 captures a CUDA graph for, by default."""
+    return min(1024 if blackwell else VLLM_MAX_CUDAGRAPH_CAPTURE_SIZE, 2 * max_num_seqs, max_num_batched_tokens)
+
+
 def build_roofline_params(model: ModelSpec, gpu: GpuSpec, tp: int,
-                          calibration: Calibration = Calibration()) -> RooflineParams:
+                          calibration: Calibration = Calibration(), async_scheduling: bool = False,
+                          cudagraph_capture_size: Optional[int] = None) -> RooflineParams:
+    """The roofline of ``model`` on ``tp`` ``gpu``s. ``async_scheduling``: the engine overlaps a step's host
+    work with the previous step's GPU time (vLLM 0.33's default). ``cudagraph_capture_size``: steps of more
+    tokens run eagerly and pay a launch cost per kernel (vLLM's default is ``vllm_cudagraph_capture_size``; 0 is
+    ``enforce_eager``); None, the default here, treats every step as graphed (no eager cost)."""
     q_heads, kv_heads = heads_per_gpu(model, tp)
     h, d, gated = model.hidden_size, model.head_dim, int(model.gated_mlp)
     ffn = model.intermediate_size // tp
@@ -153,6 +210,9 @@ def build_roofline_params(model: ModelSpec, gpu: GpuSpec, tp: int,
         memory_bytes_per_s=f32(gpu.memory_bytes_per_s),
         link_bytes_per_s=f32(gpu.interconnect_bytes_per_s / 2),
         calibration=calibration.as_float32(),
+        multi_gpu=f32(1.0 if tp > 1 else 0.0),
+        async_scheduling=f32(1.0 if async_scheduling else 0.0),
+        cudagraph_max_tokens=f32(float("inf") if cudagraph_capture_size is None else cudagraph_capture_size),
     )
 
 
@@ -170,6 +230,11 @@ def kernel_time_s(flops, bytes_moved, peak_flops_per_s, memory_bytes_per_s, comp
     return smooth_max(compute, memory, sharpness)
 
 
+HOST_PHASES = ("schedule", "prepare_inputs", "sampler", "process_outputs")
+# The phases whose host work is per scheduled request; the others' is per sampled token.
+PER_REQUEST_PHASES = ("schedule", "prepare_inputs")
+
+
 @pytree_dataclass
 class StepCosts:
     """A step's time by part (seconds) and the work behind it (per GPU)."""
@@ -179,8 +244,16 @@ class StepCosts:
     attention_decode_s: jnp.ndarray
     elementwise_s: jnp.ndarray
     communication_s: jnp.ndarray
-    overhead_s: jnp.ndarray
-    total_s: jnp.ndarray
+    overhead_s: jnp.ndarray         # the GPU's fixed costs: kernels, attention setup, eager launches
+    eager_launch_s: jnp.ndarray     # of which: launching the kernels of a step too large for a CUDA graph
+    gpu_s: jnp.ndarray              # everything above: the GPU's time for the step
+    host_schedule_s: jnp.ndarray
+    host_prepare_inputs_s: jnp.ndarray
+    host_sampler_s: jnp.ndarray
+    host_process_outputs_s: jnp.ndarray
+    host_s: jnp.ndarray             # the four host phases
+    host_hidden_s: jnp.ndarray      # host time async scheduling overlaps with the GPU: min(gpu, host), or 0
+    total_s: jnp.ndarray            # gpu + host - hidden
     compute_bound_s: jnp.ndarray   # FLOPs at the achieved compute rates
     memory_bound_s: jnp.ndarray    # bytes at the achieved bandwidths
     weight_bytes: jnp.ndarray
@@ -189,6 +262,20 @@ class StepCosts:
     matmul_flops: jnp.ndarray
     attention_flops: jnp.ndarray
     allreduce_bytes: jnp.ndarray
+
+
+def allreduce_time_s(calibration: Calibration, workers, message_bytes, link_bytes_per_s):
+    """One ring all-reduce of a ``message_bytes`` message among ``workers`` = n GPUs: a fixed cost, 2(n - 1)
+    hops of latency, and the 2(n - 1)/n of the message each GPU sends, over one link direction."""
+    hops = 2.0 * (workers - 1.0)
+    return (calibration.allreduce_base_latency_s + hops * calibration.allreduce_latency_s
+            + hops / workers * message_bytes / (link_bytes_per_s * calibration.allreduce_efficiency))
+
+
+def kernels_per_step(params: RooflineParams) -> jnp.ndarray:
+    """Kernels one step launches: every layer's matmuls and element-wise kernels, its attention call and its
+    all-reduces, the embedding and the LM head."""
+    return params.num_layers * (KERNELS_PER_LAYER + 1 + params.allreduces_per_layer) + KERNELS_PER_STEP
 
 
 def step_costs(params: RooflineParams, batch: StepBatch) -> StepCosts:
@@ -216,31 +303,67 @@ def step_costs(params: RooflineParams, batch: StepBatch) -> StepCosts:
     elementwise_bytes = (layers * params.layer_elementwise_bytes_per_token + params.embedding_bytes_per_token) * tokens
     elementwise_s = elementwise_bytes / (bandwidth * c.elementwise_memory_efficiency)
 
+    # allreduce_bytes_per_token is already the 2(n - 1)/n share each GPU sends
     allreduces = layers * params.allreduces_per_layer
     allreduce_bytes = allreduces * params.allreduce_bytes_per_token * tokens
-    communication_s = (allreduces * params.allreduce_ring_steps * c.allreduce_latency_s
+    communication_s = (allreduces * (c.allreduce_base_latency_s + params.allreduce_ring_steps * c.allreduce_latency_s)
                        + allreduce_bytes / (params.link_bytes_per_s * c.allreduce_efficiency))
 
     kernels = layers * KERNELS_PER_LAYER + KERNELS_PER_STEP
-    overhead_s = kernels * c.kernel_overhead_s + layers * c.attention_overhead_s + host_overhead_s(c, batch)
+    eager = (tokens > params.cudagraph_max_tokens).astype(jnp.float32)
+    eager_launch_s = eager * kernels_per_step(params) * c.eager_launch_overhead_s
+    overhead_s = kernels * c.kernel_overhead_s + layers * c.attention_overhead_s + eager_launch_s
 
-    total_s = matmul_s + attention_prefill_s + attention_decode_s + elementwise_s + communication_s + overhead_s
+    gpu_s = matmul_s + attention_prefill_s + attention_decode_s + elementwise_s + communication_s + overhead_s
+    phases = host_phases_s(c, batch, params.multi_gpu)
+    host_s = sum(phases.values())
+    host_hidden_s = params.async_scheduling * jnp.minimum(gpu_s, host_s)
+    total_s = gpu_s + host_s - host_hidden_s
     compute_bound_s = (matmul_flops / (peak * c.matmul_compute_efficiency)
                        + (prefill_flops + decode_flops) / (peak * c.attention_compute_efficiency))
     memory_bound_s = ((weight_bytes + matmul_io) / (bandwidth * c.matmul_memory_efficiency)
                       + (prefill_kv + decode_kv) / (bandwidth * c.attention_memory_efficiency) + elementwise_s)
     return StepCosts(
         matmul_s=matmul_s, attention_prefill_s=attention_prefill_s, attention_decode_s=attention_decode_s,
-        elementwise_s=elementwise_s, communication_s=communication_s, overhead_s=overhead_s, total_s=total_s,
+        elementwise_s=elementwise_s, communication_s=communication_s, overhead_s=overhead_s,
+        eager_launch_s=eager_launch_s, gpu_s=gpu_s,
+        host_schedule_s=phases["schedule"], host_prepare_inputs_s=phases["prepare_inputs"],
+        host_sampler_s=phases["sampler"], host_process_outputs_s=phases["process_outputs"], host_s=host_s,
+        host_hidden_s=host_hidden_s, total_s=total_s,
         compute_bound_s=compute_bound_s, memory_bound_s=memory_bound_s, weight_bytes=weight_bytes,
         kv_bytes=prefill_kv + decode_kv, activation_bytes=matmul_io + elementwise_bytes, matmul_flops=matmul_flops,
         attention_flops=prefill_flops + decode_flops, allreduce_bytes=allreduce_bytes,
     )
 
 
-def host_overhead_s(calibration: Calibration, batch: StepBatch) -> jnp.ndarray:
-    """The host-side part of a step (scheduling, input preparation, sampling): per step plus per request."""
-    return calibration.per_step_overhead_s + calibration.per_request_overhead_s * batch.num_seqs
+def sampled_tokens(batch: StepBatch) -> jnp.ndarray:
+    """Tokens the step samples: one per scheduled request (vLLM V1 samples partial prefills too and discards
+    the token, gpu_model_runner.py ``logits_indices = query_start_loc[1:] - 1``); no speculative decoding."""
+    return batch.num_seqs
+
+
+def host_phase_time_s(calibration: Calibration, phase: str, requests, tokens_sampled, multi_gpu=0.0):
+    """One host phase's time in a step of ``requests`` scheduled requests and ``tokens_sampled`` sampled tokens,
+    ``multi_gpu`` (0/1) when the inputs go to several workers."""
+    c = calibration
+    step_shares = {name: getattr(c, f"host_{name}_step_share") for name in HOST_PHASES}
+    request_shares = {name: getattr(c, f"host_{name}_request_share") for name in HOST_PHASES}
+    count = requests if phase in PER_REQUEST_PHASES else tokens_sampled
+    time = (c.per_step_overhead_s * step_shares[phase] / sum(step_shares.values())
+            + c.per_request_overhead_s * request_shares[phase] / sum(request_shares.values()) * count)
+    return time + c.host_multi_gpu_overhead_s * multi_gpu if phase == "prepare_inputs" else time
+
+
+def host_phases_s(calibration: Calibration, batch: StepBatch, multi_gpu=0.0) -> dict:
+    """The host's time in each phase of a step (``HOST_PHASES``)."""
+    return {phase: host_phase_time_s(calibration, phase, batch.num_seqs, sampled_tokens(batch), multi_gpu)
+            for phase in HOST_PHASES}
+
+
+def host_overhead_s(calibration: Calibration, batch: StepBatch, multi_gpu=0.0) -> jnp.ndarray:
+    """The host-side part of a step (scheduling, input preparation, sampling, output processing), all phases:
+    ``per_step_overhead_s`` + ``per_request_overhead_s`` × requests (+ the multi-GPU term)."""
+    return sum(host_phases_s(calibration, batch, multi_gpu).values())
 
 
 def step_time_s(params: RooflineParams, batch: StepBatch) -> jnp.ndarray:

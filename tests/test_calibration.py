@@ -41,7 +41,8 @@ def synthetic_datasets(truth: Calibration) -> list[cal.Dataset]:
         cal.Dataset("decode attention", "attention", np.zeros(len(tokens)), tokens.astype(int),
                     {"flops": 16384 * tokens * 1025, "bytes": 2048 * tokens * 1025}),
         cal.Dataset("allreduce", "allreduce", np.zeros(len(tokens)), tokens.astype(int),
-                    {"bytes": 1.5 * tokens * 8192, "ring_steps": np.full(len(tokens), 6.0)}, key_space="bytes"),
+                    {"bytes": 1.5 * tokens * 8192, "ring_steps": np.resize([2.0, 6.0, 14.0], len(tokens))},
+                    key_space="bytes"),
         cal.Dataset("host", "host", np.zeros(len(tokens)), tokens.astype(int), {"seqs": tokens}),
     ]
     return [dataclasses.replace(d, measured_s=np.asarray(cal.predict(d, truth, A100), dtype=np.float64))
@@ -159,7 +160,8 @@ def test_vidur_files_load_into_data_sets_and_steps():
         assert cal.error_summary(d.measured_s, np.asarray(cal.predict(d, calibration, A100)))["mape_pct"] < 7.0
     assert len(cal.load_vidur_allreduce(vidur / "network/a100_dgx/all_reduce.csv").measured_s) == 2982
     host = cal.load_vidur_host(vidur / "cpu_overheads/a100/cpu_overheads.csv", "meta-llama/Llama-2-7b-hf")
-    assert len(host.measured_s) == 13
+    # one data set per host phase: every model's rows, but only Llama-2-7B's 13 for the sampler
+    assert [len(d.measured_s) for d in host] == [78, 78, 13, 78]
 
 
 @needs_shared_data

@@ -30,7 +30,9 @@ A100 = resolve_gpu("a100-80gb")
 # Overheads off and a near-sharp roofline, so closed forms hold exactly enough to test.
 NO_OVERHEADS = dataclasses.replace(Calibration(), kernel_overhead_s=1e-30, attention_overhead_s=1e-30,
                                    per_step_overhead_s=1e-30, per_request_overhead_s=1e-30,
-                                   allreduce_latency_s=1e-30, roofline_sharpness=50.0)
+                                   allreduce_latency_s=1e-30, roofline_sharpness=50.0,
+                                   allreduce_base_latency_s=1e-30, host_multi_gpu_overhead_s=1e-30,
+                                   eager_launch_overhead_s=1e-30)
 
 
 def batch(prefill_seqs=0, prefill_tokens=0, prefill_cached=0, decodes=0, context=0) -> StepBatch:
