@@ -36,6 +36,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cost.add_argument("--prefill-tokens", type=int, default=0,
                       help="tokens of one new prompt prefilled in the step (default 0)")
     cost.add_argument("--profile", help="a calibrated profile (JSON) instead of the default efficiencies")
+    cost.add_argument("--scheduling", choices=("async", "sync"), default="async",
+                      help="async: the host work of a step overlaps the previous GPU step, so a step takes "
+                           "max(GPU, host) (vLLM 0.33's default); sync: GPU + host (default %(default)s)")
+    cost.add_argument("--max-cudagraph-capture-size", type=int, metavar="TOKENS",
+                      help="steps of more tokens run eagerly, paying a launch cost per kernel; 0 = enforce_eager "
+                           "(default: vLLM 0.33's, min(512, 2 x max_num_seqs, max_num_batched_tokens) = "
+                           f"{_default_capture_size()})")
     cost.add_argument("--json", action="store_true", help="print one JSON object")
     cost.set_defaults(func=run_cost)
 
@@ -61,12 +68,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     fit.add_argument("--steps", type=Path, metavar="CSV",
                      help="measured engine steps, one a row: prefill_tokens, decode_requests, context_tokens, "
                           "step_time_ms (optional cached_prefix_tokens, prefill_requests)")
+    fit.add_argument("--bench", type=Path, metavar="JSON",
+                     help="instead of --steps: a `vllm bench serve --save-result --save-detailed` result, whose "
+                          "requests are replayed under --config and the latencies fitted (search/calibrate_bench.py)")
+    fit.add_argument("--config", type=Path, metavar="YAML",
+                     help="with --bench: the deployment the benchmark ran (model, GPU, TP, scheduler)")
+    fit.add_argument("--trials", type=int, metavar="N",
+                     help="with --bench: candidates each CMA-ES fit simulates (default 160)")
     fit.add_argument("--model", help="with --steps: the model the steps ran (catalogue name or config.json)")
     fit.add_argument("--tp", type=int, default=1, help="with --steps: tensor-parallel GPUs (default 1)")
     fit.add_argument("--fit", metavar="NAMES",
                      help="with --steps: comma-separated parameters to fit (default: those the steps identify)")
     fit.add_argument("--gpu-time-only", action="store_true",
                      help="with --steps: the times are GPU kernel time (a profiler's sum), without host time")
+    fit.add_argument("--async-scheduling", action="store_true",
+                     help="with --steps: the steps ran with async scheduling, so each took max(GPU, host) time")
     fit.add_argument("--initial", metavar="PROFILE",
                      help="start from this profile and keep what the data cannot fit from it (default: with "
                           "--steps, the shipped profile of --gpu if there is one; else the datasheet defaults)")
@@ -94,6 +110,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     gpus = subparsers.add_parser("gpus", help="the GPU catalogue")
     gpus.add_argument("--json", action="store_true", help="print JSON")
     gpus.set_defaults(func=run_gpus)
+
+
+def _default_capture_size() -> int:
+    """vLLM 0.33's default max_cudagraph_capture_size at servetune's default scheduler limits (the same rule as
+    ``roofline.vllm_cudagraph_capture_size``, repeated here so that ``--help`` does not import JAX)."""
+    scheduler = SchedulerConfig()
+    return min(512, 2 * scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
 
 
 def _add_model_and_gpu(parser: argparse.ArgumentParser) -> None:
@@ -129,16 +152,19 @@ def run_cost(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
     from servetune.cost_models.profile import find_profile, load_profile
-    from servetune.cost_models.roofline import Calibration, build_roofline_params, step_costs
+    from servetune.cost_models.roofline import HOST_PHASES, Calibration, build_roofline_params, step_costs
     from servetune.types import StepBatch
 
     for name in ("decode_batch", "context", "prefill_tokens"):
         _non_negative("--" + name.replace("_", "-"), getattr(args, name))
     if args.decode_batch == 0 and args.prefill_tokens == 0:
         raise UserError("an empty step: give --decode-batch and/or --prefill-tokens")
+    capture = _default_capture_size() if args.max_cudagraph_capture_size is None else args.max_cudagraph_capture_size
+    _non_negative("--max-cudagraph-capture-size", capture)
     model, gpu = resolve_model(args.model), resolve_gpu(args.gpu)
     calibration = load_profile(find_profile(args.profile))[0] if args.profile else Calibration()
-    params = build_roofline_params(model, gpu, args.tp, calibration)
+    params = build_roofline_params(model, gpu, args.tp, calibration, async_scheduling=args.scheduling == "async",
+                                   cudagraph_capture_size=capture)
     prefill = args.prefill_tokens
     batch = StepBatch(*(jnp.float32(x) for x in (
         1 if prefill else 0, prefill, prefill, prefill * prefill / 2,
@@ -146,14 +172,24 @@ def run_cost(args: argparse.Namespace) -> int:
     costs = {name: float(value) for name, value in vars(step_costs(params, batch)).items()}
     ms = {"matmul": costs["matmul_s"], "attention_prefill": costs["attention_prefill_s"],
           "attention_decode": costs["attention_decode_s"], "elementwise": costs["elementwise_s"],
-          "communication": costs["communication_s"], "fixed_overheads": costs["overhead_s"]}
+          "communication": costs["communication_s"], "kernel_overheads": costs["overhead_s"],
+          **{f"host_{phase}": costs[f"host_{phase}_s"] for phase in HOST_PHASES},
+          "host_hidden_by_async": -costs["host_hidden_s"]}
     bound = "compute" if costs["compute_bound_s"] > costs["memory_bound_s"] else "memory"
+    tokens = prefill + args.decode_batch
     result = {
         "model": model.name, "gpu": gpu.name, "tp": args.tp,
         "cost_model": "calibrated" if args.profile else "roofline",
         "batch": {"decode_batch": args.decode_batch, "context": args.context, "prefill_tokens": prefill},
+        "scheduling": args.scheduling,
+        "cuda_graph": {"max_capture_size": capture, "graphed": tokens <= capture,
+                       "eager_launch_ms": 1e3 * costs["eager_launch_s"]},
         "step_time_ms": 1e3 * costs["total_s"],
         "breakdown_ms": {name: 1e3 * value for name, value in ms.items()},
+        "gpu_ms": 1e3 * costs["gpu_s"], "host_ms": 1e3 * costs["host_s"],
+        "host_hidden_ms": 1e3 * costs["host_hidden_s"],
+        "step_time_sync_ms": 1e3 * (costs["gpu_s"] + costs["host_s"]),
+        "step_time_async_ms": 1e3 * max(costs["gpu_s"], costs["host_s"]),
         "work": {"weight_bytes": costs["weight_bytes"], "kv_bytes_read": costs["kv_bytes"],
                  "activation_bytes": costs["activation_bytes"], "matmul_flops": costs["matmul_flops"],
                  "attention_flops": costs["attention_flops"], "allreduce_bytes": costs["allreduce_bytes"]},
@@ -165,10 +201,13 @@ def run_cost(args: argparse.Namespace) -> int:
         return 0
     work = result["work"]
     table = Table(title=f"{model.name} on {gpu.name} × {args.tp}: one step of {args.decode_batch} decodes "
-                        f"(context {args.context}) + {prefill} prefill tokens")
+                        f"(context {args.context}) + {prefill} prefill tokens, {args.scheduling} scheduling")
     table.add_column("part")
     table.add_column("ms", justify="right")
-    table.add_column("work per GPU", justify="right")
+    table.add_column("detail", justify="right")
+    graph = (f"CUDA graph (≤ {capture} tokens)" if tokens <= capture
+             else f"eager (> {capture} tokens): {1e3 * costs['eager_launch_s']:.3f} launching")
+    seqs = args.decode_batch + (1 if prefill else 0)
     rows = [("matmuls", ms["matmul"], f"{work['matmul_flops'] / 1e9:,.1f} GFLOP, "
                                       f"{work['weight_bytes'] / 1e9:,.2f} GB weights read"),
             ("attention: prefill", ms["attention_prefill"], ""),
@@ -176,10 +215,21 @@ def run_cost(args: argparse.Namespace) -> int:
                                                           f"{work['attention_flops'] / 1e9:,.1f} GFLOP"),
             ("element-wise", ms["elementwise"], f"{work['activation_bytes'] / 1e9:,.3f} GB activations"),
             ("communication", ms["communication"], f"{work['allreduce_bytes'] / 1e9:,.3f} GB all-reduced"),
-            ("fixed overheads", ms["fixed_overheads"], "kernels, step, requests")]
+            ("kernel overheads", ms["kernel_overheads"], graph)]
     for name, seconds, detail in rows:
         table.add_row(name, f"{1e3 * seconds:.3f}", detail)
-    table.add_row("step", f"{result['step_time_ms']:.3f}", f"{bound}-bound", style="bold")
+    table.add_row("GPU", f"{result['gpu_ms']:.3f}", f"{bound}-bound", style="bold")
+    host_rows = [("host: schedule", "schedule", f"{seqs} requests"),
+                 ("host: prepare inputs", "prepare_inputs", f"{seqs} requests" + (", to TP" if args.tp > 1 else "")),
+                 ("host: sampler", "sampler", f"{seqs} sampled tokens"),
+                 ("host: process outputs", "process_outputs", f"{seqs} sampled tokens")]
+    for name, phase, detail in host_rows:
+        table.add_row(name, f"{1e3 * ms['host_' + phase]:.3f}", detail)
+    table.add_row("host", f"{result['host_ms']:.3f}", "", style="bold")
+    table.add_row("host hidden (async)", f"{-result['host_hidden_ms']:.3f}",
+                  "overlaps the GPU step" if args.scheduling == "async" else "sync: none")
+    table.add_row("step", f"{result['step_time_ms']:.3f}",
+                  f"sync {result['step_time_sync_ms']:.3f}, async {result['step_time_async_ms']:.3f}", style="bold")
     console = Console()
     console.print(table)
     console.print(f"compute side {result['compute_bound_ms']:.2f} ms vs memory side "
@@ -237,13 +287,15 @@ def run_calibrate(args: argparse.Namespace) -> int:
 
     if args.folds < 2:
         raise UserError(f"--folds must be at least 2, found {args.folds}")
+    if args.bench is not None or args.config is not None or args.trials is not None:
+        return _run_calibrate_bench(args)
     if args.steps is not None:
         return _run_calibrate_steps(args)
     for flag in ("model", "fit"):
         if getattr(args, flag) is not None:
             raise UserError(f"--{flag} is for --steps; the operator profiles name their own models")
-    if args.force or args.gpu_time_only:
-        raise UserError("--force and --gpu-time-only are for --steps")
+    if args.force or args.gpu_time_only or args.async_scheduling:
+        raise UserError("--force, --gpu-time-only and --async-scheduling are for --steps")
     check_output_file(args.out, "--out")
     gpu = resolve_gpu(args.gpu)
     initial, initial_source = _initial_calibration(args, gpu, default_to_shipped=False)
@@ -280,6 +332,25 @@ def run_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_calibrate_bench(args: argparse.Namespace) -> int:
+    """``calibrate --bench --config``: checks that no other source's flag is given, then search/calibrate_bench.py."""
+    if args.bench is None:
+        raise UserError("--config and --trials are for --bench: give the `vllm bench serve` result to fit")
+    if args.config is None:
+        raise UserError("--bench needs --config: the deployment the benchmark ran (model, GPU, TP, scheduler)")
+    given = [flag for flag, value in (("--steps", args.steps), ("--profiles", args.profiles),
+                                      ("--attention", args.attention), ("--allreduce", args.allreduce),
+                                      ("--cpu-overheads", args.cpu_overheads), ("--distserve", args.distserve),
+                                      ("--model", args.model), ("--gpu-time-only", args.gpu_time_only),
+                                      ("--async-scheduling", getattr(args, "async_scheduling", False))) if value]
+    if given:
+        raise UserError(f"--bench and {given[0]} are alternatives: --bench fits a benchmark replayed under "
+                        f"--config, which names the model and GPU")
+    from servetune.search.calibrate_bench import run_calibrate_bench
+
+    return run_calibrate_bench(args)
+
+
 def _optional(path):
     return None if path is None else str(path)
 
@@ -313,7 +384,8 @@ def _run_calibrate_steps(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     console.print(f"{len(rows)} steps of {model.name} on {gpu.name} × {args.tp}; starting from {initial_source}")
     result = calibrate_steps(rows, model, gpu, args.tp, initial, names, folds=args.folds, seed=args.seed,
-                             gpu_time_only=args.gpu_time_only, progress=console.print)
+                             gpu_time_only=args.gpu_time_only, progress=console.print,
+                             async_scheduling=args.async_scheduling)
     kinds = result.report["batch_kinds"]
     held_out, uncalibrated = kinds["all"]["held_out"]["mape_pct"], kinds["all"]["uncalibrated"]["mape_pct"]
     problems = []
@@ -325,7 +397,7 @@ def _run_calibrate_steps(args: argparse.Namespace) -> int:
     write = not problems or args.force
     if write:
         sources = {"steps": str(args.steps), "model": model.name, "tp": args.tp, "rows": len(rows),
-                   "gpu_time_only": args.gpu_time_only, "initial": initial_source, "fitted": result.fitted}
+                   "gpu_time_only": args.gpu_time_only, "async_scheduling": args.async_scheduling, "initial": initial_source, "fitted": result.fitted}
         write_profile(args.out, result.calibration, gpu.name, sources, result.report)
     if args.json:
         print(json.dumps({"profile": str(args.out) if write else None, "written": write, "problems": problems,
