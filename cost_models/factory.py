@@ -41,7 +41,13 @@ def build_cost_model(config: Config) -> tuple[Callable, Any]:
             raise InvalidValue("cost_model.kind", cost.kind, "linear, roofline or calibrated")
         model = resolve_model(config.model, base_dir)
         gpu = resolve_gpu(config.hardware.gpu)
-        return roofline.step_time_s, roofline.build_roofline_params(model, gpu, config.hardware.tp, calibration)
+        scheduler = config.scheduler
+        # vLLM 0.33 overlaps a step's host work with the GPU's previous step when scheduling is asynchronous,
+        # and runs steps larger than its CUDA-graph capture size eagerly (docs/cost-models.md).
+        capture = roofline.vllm_cudagraph_capture_size(scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
+        return roofline.step_time_s, roofline.build_roofline_params(
+            model, gpu, config.hardware.tp, calibration, async_scheduling=scheduler.pipelined,
+            cudagraph_capture_size=capture)
 
 
 def derive_num_kv_blocks(config: Config) -> int:
