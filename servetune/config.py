@@ -59,6 +59,13 @@ Rate = Annotated[Float, Field(ge=MIN_RATE, le=MAX_RATE)]
 Scale = Annotated[Float, Field(ge=MIN_RATE, le=MAX_SCALE)]
 Fraction = Annotated[Float, Field(gt=0, le=1)]
 LogSpread = Annotated[Float, Field(ge=0, le=20)]   # a log-normal spread of e^20 per sigma spans every length there is
+# vLLM's --request-rate and --burstiness, whose `inf` means something (every request at 0; gaps of exactly
+# 1/rate): infinity is allowed, NaN fails the bound. The loader keeps a finite request_rate within MAX_RATE.
+RateOrInf = Annotated[Float, Field(ge=MIN_RATE, allow_inf_nan=True, description=(
+    f"a number in [{MIN_RATE:g}, {MAX_RATE:g}], or .inf (every request at 0) or null (vLLM's default, .inf)"))]
+Burstiness = Annotated[Float, Field(ge=1e-6, allow_inf_nan=True, description=(
+    "a number ≥ 1e-06 (the gamma shape of the gaps; 1 is Poisson), or .inf (gaps of exactly 1/rate) or null "
+    "(vLLM's default, 1.0)"))]   # as gamma's cv ≤ 1e3: shape ≥ 1e-6
 
 
 @dataclass(frozen=True)
@@ -80,7 +87,7 @@ class CostModelConfig:
 
 @dataclass(frozen=True)
 class ArrivalsConfig:
-    kind: Literal["poisson", "gamma", "onoff", "piecewise", "servegen", "trace"] = "poisson"
+    kind: Literal["poisson", "gamma", "onoff", "piecewise", "servegen", "trace", "vllm"] = "poisson"
     rate: Optional[Rate] = 4.0       # poisson, gamma: requests per second; onoff: the rate while on
     # gamma: coefficient of variation of the gaps (1 is Poisson; > 1 bursty)
     cv: Optional[Annotated[Float, Field(ge=1e-3, le=1e3)]] = None
@@ -90,18 +97,70 @@ class ArrivalsConfig:
     time_scale: Scale = 1.0          # piecewise, servegen: the profile plays this many times faster
     path: Optional[Text] = None      # trace, servegen: file path, relative to the config file's folder
     format: Optional[Literal["azure", "processed", "servetune", "mooncake"]] = None   # trace: TRACE_PARSERS
+    # trace, instead of format: a CSV or JSONL log of the user's own, read through {timestamp: NAME,
+    # prompt_tokens: NAME, output_tokens: NAME} (ColumnsConfig: its column or key names); timestamp_unit s, ms or iso8601
+    # (auto: ISO 8601 when the first timestamp is a date-time, else seconds)
+    columns: Any = None
+    timestamp_unit: Literal["auto", "s", "ms", "iso8601"] = "auto"
     rate_scale: Scale = 1.0          # trace: 2.0 doubles the arrival rate; servegen: multiplies every rate
     window_start_s: SecondsOrZero = 0.0    # trace: replay from this second of the trace's clock ...
     window_s: Optional[Seconds] = None     # ... for this many seconds (null: to the end)
     jitter_s: SecondsOrZero = 0.0    # trace: spread each timestamp uniformly over [t, t + jitter_s)
+    # vllm: `vllm bench serve`'s --request-rate (null: its default, .inf, every request at 0) and --burstiness
+    # (null: its default 1.0, Poisson; the gamma shape of the gaps; .inf: gaps of exactly 1/rate)
+    request_rate: Optional[RateOrInf] = None
+    burstiness: Optional[Burstiness] = None
+    # vllm: --ramp-up-strategy, --ramp-up-start-rps and --ramp-up-end-rps as {strategy, start_rps, end_rps}
+    # (RampUpConfig; request_rate then left out): request i's rate moves from start to end
+    ramp_up: Any = None
+
+
+@dataclass(frozen=True)
+class RampUpConfig:
+    """``arrivals: {kind: vllm, ramp_up: ...}``: vLLM's ramp-up (vllm/benchmarks/serve.py:406-428, 2077-2094)."""
+    __pydantic_config__ = VALIDATION
+    strategy: Literal["linear", "exponential"]
+    start_rps: Rate
+    end_rps: Rate
+
+
+@dataclass(frozen=True)
+class ColumnsConfig:
+    """``arrivals: {kind: trace, columns: ...}``: the column (CSV header) or key (JSONL) names of a user's own
+    request log (envs/workload/traces.py, load_column_trace)."""
+    __pydantic_config__ = VALIDATION
+    timestamp: Text
+    prompt_tokens: Text
+    output_tokens: Text
+
+
+@dataclass(frozen=True)
+class RangeRatioConfig:
+    """``lengths: {kind: dataset, name: random, range_ratio: {input, output}}``: vLLM's per-side range ratios
+    (vllm/benchmarks/datasets/utils.py:19-36)."""
+    __pydantic_config__ = VALIDATION
+    input: Annotated[Float, Field(ge=0, lt=1)]
+    output: Annotated[Float, Field(ge=0, lt=1)]
 
 
 @dataclass(frozen=True)
 class LengthsConfig:
-    kind: Literal["fixed", "uniform", "geometric", "lognormal", "empirical", "trace"] = "fixed"
+    kind: Literal["fixed", "uniform", "geometric", "lognormal", "empirical", "trace", "dataset"] = "fixed"
     prompt_tokens: Any = 512         # fixed: int; uniform: [low, high] inclusive; geometric: the mean;
-    output_tokens: Any = 128         # lognormal: {median: m, sigma: s} (LognormalConfig); empirical, trace: unused
-    path: Optional[Text] = None      # empirical: a CSV with num_prefill_tokens,num_decode_tokens columns
+    output_tokens: Any = 128         # lognormal: {median: m, sigma: s} (LognormalConfig); empirical, trace,
+                                     # dataset: unused
+    path: Optional[Text] = None      # empirical: a CSV with num_prefill_tokens,num_decode_tokens columns; dataset
+                                     # sharegpt, burstgpt, custom: the dataset file (envs/workload/datasets.py)
+    # dataset: the `vllm bench serve --dataset-name` whose lengths these are, read as vLLM reads them
+    name: Literal["random", "sharegpt", "burstgpt", "custom"] = "random"   # vLLM's default --dataset-name
+    input_len: Optional[TokenCount] = None     # random: --random-input-len (null: vLLM's 1024)
+    output_len: Optional[TokenCount] = None    # random: --random-output-len (null: 128); sharegpt, custom: every
+                                               # request's output (null: the dataset's own)
+    range_ratio: Any = None          # random: --random-range-ratio, a number in [0, 1) or {input: r, output: r}
+                                     # (RangeRatioConfig)
+    tokenizer: Optional[Text] = None   # random, sharegpt, custom: a local Hugging Face tokenizer folder that
+                                       # counts tokens (null, or neither tokenizers nor transformers installed:
+                                       # estimated from characters; envs/workload/datasets.py)
 
 
 @dataclass(frozen=True)

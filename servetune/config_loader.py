@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
 import re
 import typing
 from dataclasses import dataclass
@@ -33,15 +34,15 @@ from pydantic.fields import FieldInfo
 
 from servetune.config import (
     MAX_CLOCK_S, MAX_KV_TOKENS, MAX_TOKEN_COUNT, STEERABLE_KNOBS, VALIDATION, ArrivalsConfig, Config, CostModelConfig,
-    Float, Int, KnobConfig, LengthsConfig, LognormalConfig, Rate, RlConfig, SchedulerConfig, SearchConfig, Seed,
-    TenantConfig, TokenCount, WorkloadConfig,
+    ColumnsConfig, Float, Int, KnobConfig, LengthsConfig, LognormalConfig, RampUpConfig, RangeRatioConfig, Rate,
+    RlConfig, SchedulerConfig, SearchConfig, Seed, TenantConfig, TokenCount, WorkloadConfig,
 )
 from servetune.cost_models.catalog import as_config_fields, resolve_gpu, resolve_model
 from servetune.cost_models.memory import KvCapacity, kv_capacity
 from servetune.cost_models.models import heads_per_gpu
 from servetune.envs.workload.lengths import LognormalSpec
 from servetune.envs.sim.queue_order import FEATURES
-from servetune.envs.workload.traces import TRACE_PARSERS
+from servetune.envs.workload.traces import COLUMN_ROLES, TRACE_PARSERS
 from servetune.errors import ConfigError, InvalidValue, UserError, reading_user_file, shorten, show_yaml
 from servetune.objectives import OBJECTIVES, parse_objectives
 
@@ -381,15 +382,17 @@ def _has_type(value: Any, hint: Any) -> bool:
 # written for a trace, and recorded configs hold it for every kind, so only another value is refused there.
 # `rate_scale` applies to every kind.)
 _ARRIVAL_FIELD_UNSET = {"rate": ArrivalsConfig().rate, "cv": None, "on_s": None, "off_s": None, "profile": None,
-                        "time_scale": 1.0, "path": None, "format": None, "window_start_s": 0.0, "window_s": None,
-                        "jitter_s": 0.0}
+                        "time_scale": 1.0, "path": None, "format": None, "columns": None, "timestamp_unit": "auto",
+                        "window_start_s": 0.0, "window_s": None, "jitter_s": 0.0, "request_rate": None,
+                        "burstiness": None, "ramp_up": None}
 _ARRIVAL_FIELDS_READ = {
     "poisson": ("rate",),
     "gamma": ("rate", "cv"),
     "onoff": ("rate", "on_s", "off_s"),
     "piecewise": ("profile", "time_scale"),
     "servegen": ("path", "time_scale"),
-    "trace": ("path", "format", "window_start_s", "window_s", "jitter_s"),
+    "trace": ("path", "format", "columns", "timestamp_unit", "window_start_s", "window_s", "jitter_s"),
+    "vllm": ("request_rate", "burstiness", "ramp_up"),
 }
 _ARRIVAL_EXPECTATIONS = {name: f"a number {FIELD_RANGES[f'workload.arrivals.{name}'].describe()}"
                          for name in ("rate", "cv", "on_s", "off_s")}
@@ -499,12 +502,76 @@ def _check_trace_arrivals(workload: WorkloadConfig, report: _Reporter, base_dir:
     arrivals = workload.arrivals
     if arrivals.path is None:
         raise report.bad_value("workload.arrivals.path", None, "the path of a trace file for trace arrivals")
-    if arrivals.format is None:
+    if arrivals.columns is not None:
+        # The user's own log: the mapping is its format.
+        if arrivals.format is not None:
+            raise report.bad_value("workload.arrivals.format", arrivals.format,
+                                   "null with workload.arrivals.columns (the mapping says how to read the file)")
+        columns = _check_trace_columns(arrivals.columns, report)
+        arrivals = dataclasses.replace(arrivals, columns=columns)
+    elif arrivals.format is None:
         raise report.bad_value(
-            "workload.arrivals.format", None, f"one of {', '.join(TRACE_PARSERS)} for trace arrivals"
+            "workload.arrivals.format", None, f"one of {', '.join(TRACE_PARSERS)} for trace arrivals (or "
+                                              "columns: {timestamp: NAME, prompt_tokens: NAME, output_tokens: NAME} "
+                                              "for a CSV or JSONL log of your own)"
         )
+    elif arrivals.timestamp_unit != "auto":
+        raise report.bad_value("workload.arrivals.timestamp_unit", arrivals.timestamp_unit,
+                               "auto with a trace format (timestamp_unit is for workload.arrivals.columns)")
     path = _resolved_file("workload.arrivals.path", arrivals.path, "trace file", report, base_dir)
     return dataclasses.replace(workload, arrivals=dataclasses.replace(arrivals, path=path))
+
+
+def _check_trace_columns(columns: Any, report: _Reporter) -> ColumnsConfig:
+    """``workload.arrivals.columns``: each of timestamp, prompt_tokens and output_tokens mapped to a column (CSV)
+    or key (JSONL) name, each a different one."""
+    key = "workload.arrivals.columns"
+    if isinstance(columns, ColumnsConfig):   # a config built in code, or checked before
+        columns = dataclasses.asdict(columns)
+    if not isinstance(columns, dict):
+        raise report.bad_value(key, columns, "a mapping {timestamp: NAME, prompt_tokens: NAME, output_tokens: NAME} "
+                                             "of your file's column names")
+    for role in COLUMN_ROLES:
+        if role not in columns:
+            raise report.error(f"{key}.{role}", f"missing; expected the name of the file's {role} column")
+    checked = _validated(ColumnsConfig, columns, key, report)
+    names = [getattr(checked, role) for role in COLUMN_ROLES]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise report.bad_value(key, columns, f"a different column for each of {', '.join(COLUMN_ROLES)} "
+                                             f"({', '.join(map(repr, repeated))} is named twice)")
+    return checked
+
+
+def _check_vllm_arrivals(workload: WorkloadConfig, report: _Reporter, base_dir: Path) -> WorkloadConfig:
+    """vllm bench serve's --request-rate, --burstiness and ramp-up, refused where vLLM refuses them
+    (vllm/benchmarks/serve.py:2077-2094; burstiness > 0, serve.py:468)."""
+    _require_arrival_fields(workload, report)
+    arrivals = workload.arrivals
+    rate = arrivals.request_rate
+    if rate is not None and math.isfinite(rate) and not RATE.contains(rate):
+        raise report.bad_value("workload.arrivals.request_rate", rate, f"a number {RATE.describe()}, or .inf (every "
+                                                                       "request at 0, vLLM's default)")
+    if arrivals.ramp_up is None:
+        return workload
+    key = "workload.arrivals.ramp_up"
+    if isinstance(arrivals.ramp_up, RampUpConfig):
+        arrivals = dataclasses.replace(arrivals, ramp_up=dataclasses.asdict(arrivals.ramp_up))
+    if not isinstance(arrivals.ramp_up, dict):
+        raise report.bad_value(key, arrivals.ramp_up, "a mapping {strategy: linear|exponential, start_rps, end_rps}")
+    for part in ("strategy", "start_rps", "end_rps"):
+        if part not in arrivals.ramp_up:
+            expected = "one of linear, exponential" if part == "strategy" else f"a number {RATE.describe()}"
+            raise report.error(f"{key}.{part}", f"missing; expected {expected} (vLLM's --ramp-up-"
+                                                f"{part.replace('_', '-')})")
+    ramp = _validated(RampUpConfig, arrivals.ramp_up, key, report)
+    if rate is not None:
+        raise report.bad_value("workload.arrivals.request_rate", rate, "null with ramp_up (vLLM: the ramp-up's rates "
+                                                                       "replace --request-rate)")
+    if ramp.start_rps > ramp.end_rps:
+        raise report.bad_value(f"{key}.start_rps", ramp.start_rps, f"≤ end_rps {ramp.end_rps:g} (vLLM ramps up, not "
+                                                                   "down)")
+    return dataclasses.replace(workload, arrivals=dataclasses.replace(arrivals, ramp_up=ramp))
 
 
 ARRIVAL_RULES: dict[str, Callable[[WorkloadConfig, _Reporter, Path], WorkloadConfig]] = {
@@ -514,6 +581,7 @@ ARRIVAL_RULES: dict[str, Callable[[WorkloadConfig, _Reporter, Path], WorkloadCon
     "piecewise": _check_piecewise_arrivals,
     "servegen": _check_servegen_arrivals,
     "trace": _check_trace_arrivals,
+    "vllm": _check_vllm_arrivals,
 }
 
 GENERATED_LENGTH_KINDS = ("fixed", "uniform", "geometric", "lognormal", "empirical")
@@ -588,9 +656,78 @@ def _check_trace_lengths(lengths: LengthsConfig, arrivals_kind: str, report: _Re
     if arrivals_kind != "trace":
         raise report.bad_value(
             "workload.lengths.kind", "trace", f"one of {', '.join(GENERATED_LENGTH_KINDS)} with {arrivals_kind} "
-            "arrivals (trace lengths need trace arrivals)"
+            "arrivals (trace lengths need trace arrivals), or dataset"
         )
     return lengths
+
+
+# The fields each dataset of `lengths: {kind: dataset}` reads (vLLM's flags for it), what they are, and a
+# dataset file's description.
+_DATASET_FIELDS = ("path", "input_len", "output_len", "range_ratio", "tokenizer")
+_DATASET_FIELDS_READ = {
+    "random": ("input_len", "output_len", "range_ratio", "tokenizer"),
+    "sharegpt": ("path", "output_len", "tokenizer"),
+    "burstgpt": ("path",),
+    "custom": ("path", "output_len", "tokenizer"),
+}
+_DATASET_FILES = {"sharegpt": "ShareGPT JSON file", "burstgpt": "BurstGPT CSV file", "custom": "JSONL file"}
+
+
+def _check_dataset_lengths(lengths: LengthsConfig, arrivals_kind: str, report: _Reporter,
+                           base_dir: Path) -> LengthsConfig:
+    """vllm bench serve's datasets (envs/workload/datasets.py): ``name`` and the fields that dataset reads."""
+    name = lengths.name
+    for field in _DATASET_FIELDS:
+        value = getattr(lengths, field)
+        if value is not None and field not in _DATASET_FIELDS_READ[name]:
+            readers = [other for other, names in _DATASET_FIELDS_READ.items() if field in names]
+            raise report.bad_value(f"workload.lengths.{field}", value, f"it left out for the {name} dataset ({field} "
+                                                                       f"is for {_and_join(readers)})")
+    changes: dict[str, Any] = {}
+    if "path" in _DATASET_FIELDS_READ[name]:
+        if lengths.path is None:
+            raise report.bad_value("workload.lengths.path", None, f"the path of a {_DATASET_FILES[name]} for the "
+                                                                  f"{name} dataset (vllm's --dataset-path)")
+        changes["path"] = _resolved_file("workload.lengths.path", lengths.path, _DATASET_FILES[name], report, base_dir)
+    if lengths.tokenizer is not None:
+        changes["tokenizer"] = _resolved_folder("workload.lengths.tokenizer", lengths.tokenizer,
+                                                "Hugging Face tokenizer folder", report, base_dir)
+    if name == "random":
+        ratio = lengths.range_ratio
+        key = "workload.lengths.range_ratio"
+        expected = "a number in [0, 1), or {input: r, output: r} with each in [0, 1) (vLLM's --random-range-ratio)"
+        in_range = lambda value: _has_type(value, Float) and 0 <= value < 1   # noqa: E731
+        if isinstance(ratio, RangeRatioConfig):
+            ratio = dataclasses.asdict(ratio)
+        if ratio is None:
+            ratios = (0.0, 0.0)
+        elif isinstance(ratio, dict):
+            for side in ("input", "output"):
+                if side not in ratio:
+                    raise report.error(f"{key}.{side}", "missing; expected a number in [0, 1) (or one number for "
+                                                        "both sides)")
+            checked = changes["range_ratio"] = _validated(RangeRatioConfig, ratio, key, report)
+            ratios = (checked.input, checked.output)
+        elif in_range(ratio):
+            ratios = (float(ratio), float(ratio))
+            changes["range_ratio"] = float(ratio)
+        else:
+            raise report.bad_value(key, ratio, expected)
+        input_len = 1024 if lengths.input_len is None else lengths.input_len
+        if math.floor(input_len * (1 - ratios[0])) < 1:   # vLLM's refusal (datasets.py:600-615)
+            raise report.bad_value("workload.lengths.input_len", input_len, f"floor(input_len · (1 - {ratios[0]:g})) "
+                                                                            "≥ 1, as vLLM requires")
+    return dataclasses.replace(lengths, **changes)
+
+
+def _resolved_folder(key: str, path: str, what: str, report: _Reporter, base_dir: Path) -> str:
+    """``path`` made absolute as ``_resolved_file`` makes it, checked to name an existing folder."""
+    if report.override_of(key):
+        base_dir = Path.cwd()
+    resolved = (base_dir / path).resolve()
+    if not resolved.is_dir():
+        raise report.bad_value(key, path, f"an existing {what} (no folder {resolved})")
+    return str(resolved)
 
 
 LENGTH_RULES: dict[str, Callable[[LengthsConfig, str, _Reporter, Path], LengthsConfig]] = {
@@ -600,11 +737,12 @@ LENGTH_RULES: dict[str, Callable[[LengthsConfig, str, _Reporter, Path], LengthsC
     "lognormal": _check_lognormal_lengths,
     "empirical": _check_empirical_lengths,
     "trace": _check_trace_lengths,
+    "dataset": _check_dataset_lengths,
 }
 
 
 # Length kinds that take their counts from a file: the counts' fields are unused, and refused when set.
-_FILE_LENGTH_KINDS = {"empirical": "the sample", "trace": "the trace"}
+_FILE_LENGTH_KINDS = {"empirical": "the sample", "trace": "the trace", "dataset": "the dataset"}
 
 
 def _unread_length_field(kind: str) -> Optional[str]:
@@ -615,9 +753,20 @@ def _unread_length_field(kind: str) -> Optional[str]:
 
 
 def _check_lengths(lengths: LengthsConfig, arrivals_kind: str, report: _Reporter, base_dir: Path) -> LengthsConfig:
-    if lengths.kind != "empirical" and lengths.path is not None:
+    if lengths.kind not in ("empirical", "dataset") and lengths.path is not None:
         raise report.bad_value("workload.lengths.path", lengths.path, f"null for {lengths.kind} lengths "
-                                                                      "(path is for empirical lengths)")
+                                                                      "(path is for empirical lengths); dataset "
+                                                                      "lengths read one too")
+    if lengths.kind != "dataset":
+        # A recorded config holds the default name (random) for every kind: only another value is refused.
+        if lengths.name != LengthsConfig().name:
+            raise report.bad_value("workload.lengths.name", lengths.name, f"{LengthsConfig().name!r} or left out for "
+                                                                          f"{lengths.kind} lengths (name is for "
+                                                                          "dataset lengths)")
+        for field in _DATASET_FIELDS[1:]:
+            if getattr(lengths, field) is not None:
+                raise report.bad_value(f"workload.lengths.{field}", getattr(lengths, field),
+                                       f"null for {lengths.kind} lengths ({field} is for dataset lengths)")
     for name in ("prompt_tokens", "output_tokens"):
         # A recorded config holds the defaults for every kind: only another value is refused.
         expected = _unread_length_field(lengths.kind)
@@ -712,7 +861,7 @@ def _check_workload(workload: WorkloadConfig, report: _Reporter, base_dir: Path)
         if workload.arrivals.kind != "trace":
             raise report.bad_value(
                 "workload.lengths", None, f"a mapping with kind one of {', '.join(GENERATED_LENGTH_KINDS)} for "
-                                          f"{workload.arrivals.kind} arrivals"
+                                          f"{workload.arrivals.kind} arrivals (or dataset)"
             )
         workload = dataclasses.replace(workload, lengths=LengthsConfig(kind="trace"))
     lengths = _check_lengths(workload.lengths, workload.arrivals.kind, report, base_dir)

@@ -1,6 +1,6 @@
 """Arrival times: ``ARRIVAL_SOURCES`` maps an arrival kind to a function of (workload config, generator).
 
-The generated kinds (poisson, gamma, onoff, piecewise, servegen) draw from the workload's one generator; a
+The generated kinds (poisson, gamma, onoff, piecewise, servegen, vllm) draw from the workload's one generator; a
 replayed trace draws only for ``jitter_s``. A new arrival process is one function and one entry in the table.
 
 ``rate_scale`` multiplies every arrival rate, whatever the kind: a trace's timestamps are divided by it, a
@@ -282,6 +282,63 @@ def servegen_arrivals(cfg: WorkloadConfig, rng: np.random.Generator) -> Arrivals
                                      f"windows){scaled}{faster}")
 
 
+# --- vllm bench serve ---------------------------------------------------------------------------------------
+
+def vllm_request_rates(cfg: WorkloadConfig) -> np.ndarray:
+    """Each request's rate as ``vllm bench serve`` sets it (vllm/benchmarks/serve.py:406-428,
+    _get_current_request_rate): ``request_rate`` (null: vLLM's default, inf), or with a ramp-up, request i of n
+    at progress i / max(n - 1, 1) from ``ramp_up.start_rps`` to ``ramp_up.end_rps``, linearly or geometrically;
+    every rate times ``rate_scale``."""
+    arrivals, n, ramp = cfg.arrivals, cfg.num_requests, cfg.arrivals.ramp_up
+    if ramp is None:
+        rate = math.inf if arrivals.request_rate is None else arrivals.request_rate
+        return np.full(n, rate * arrivals.rate_scale)
+    start, end = ramp.start_rps, ramp.end_rps
+    progress = np.arange(n) / max(n - 1, 1)
+    if ramp.strategy == "linear":
+        rates = start + (end - start) * progress
+    else:
+        rates = start * (end / start) ** progress
+    return rates * arrivals.rate_scale
+
+
+def vllm_arrivals(cfg: WorkloadConfig, rng: np.random.Generator) -> Arrivals:
+    """Arrivals drawn as ``vllm bench serve`` draws them (vllm/benchmarks/serve.py:431-545, get_request).
+
+    Request i waits a gap after request i - 1 (the first after a gap from 0): 0 when its rate is inf (every
+    request at 0, serve.py:497-498), exactly 1/rate when ``burstiness`` is inf (serve.py:499-502), else a
+    Gamma draw of shape ``burstiness`` and scale 1/(rate · burstiness) (serve.py:504-508): mean 1/rate,
+    coefficient of variation 1/sqrt(burstiness); burstiness 1 is Poisson. Without a ramp-up, the cumulative
+    times are then rescaled so that the last request arrives at exactly n / request_rate (serve.py:511-527),
+    as vLLM does to steady its throughput across seeds. The draws come from the workload's generator, not
+    vLLM's global NumPy state: the same distribution, not vLLM's very numbers.
+    """
+    arrivals, n, ramp = cfg.arrivals, cfg.num_requests, cfg.arrivals.ramp_up
+    burstiness = 1.0 if arrivals.burstiness is None else arrivals.burstiness
+    rates = vllm_request_rates(cfg)
+    if ramp is None and math.isinf(rates[0]):
+        return Arrivals(np.zeros(n), None, "vllm bench serve arrivals: request_rate inf, every request at 0 s")
+    if math.isinf(burstiness):
+        gaps_s = 1.0 / rates
+    else:
+        gaps_s = rng.gamma(burstiness, 1.0 / (rates * burstiness))
+    arrival_s = np.cumsum(gaps_s)
+    if ramp is None and arrival_s[-1] != 0:
+        arrival_s = arrival_s * ((n / rates[0]) / arrival_s[-1])
+        # The rescaling may leave the last an ulp off n / rate; vLLM's is exactly its target.
+        arrival_s[-1] = n / rates[0]
+    shape = "Poisson" if burstiness == 1.0 else ("constant gaps" if math.isinf(burstiness) else "gamma gaps")
+    if ramp is None:
+        rate_text = _rate_text(arrivals.request_rate, arrivals.rate_scale)
+        ending = ", rescaled to end at n / rate as vLLM does"
+    else:
+        rate_text = (f"a {ramp.strategy} ramp-up from {_rate_text(ramp.start_rps, arrivals.rate_scale)} to "
+                     f"{_rate_text(ramp.end_rps, arrivals.rate_scale)}")
+        ending = ""
+    return Arrivals(arrival_s, None, f"vllm bench serve arrivals at {rate_text}, burstiness {burstiness:g} "
+                                     f"({shape}){ending}")
+
+
 # --- trace replay --------------------------------------------------------------------------------------------
 
 def trace_arrivals(cfg: WorkloadConfig, rng: np.random.Generator) -> Arrivals:
@@ -293,8 +350,14 @@ def trace_arrivals(cfg: WorkloadConfig, rng: np.random.Generator) -> Arrivals:
     from servetune.envs.workload.traces import load_trace
     from servetune.envs.workload.requests import take_rows
 
+    from servetune.envs.workload.traces import load_column_trace
+
     arrivals = cfg.arrivals
-    trace = load_trace(arrivals.path, arrivals.format)
+    if arrivals.columns is not None:
+        trace = load_column_trace(arrivals.path, arrivals.columns,
+                                  None if arrivals.timestamp_unit == "auto" else arrivals.timestamp_unit)
+    else:
+        trace = load_trace(arrivals.path, arrivals.format)
     notes = []
     start_s = arrivals.window_start_s
     end_s = math.inf if arrivals.window_s is None else start_s + arrivals.window_s
@@ -326,4 +389,5 @@ ARRIVAL_SOURCES: dict[str, Callable[[WorkloadConfig, np.random.Generator], Arriv
     "piecewise": piecewise_arrivals,
     "servegen": servegen_arrivals,
     "trace": trace_arrivals,
+    "vllm": vllm_arrivals,
 }

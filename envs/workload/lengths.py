@@ -2,7 +2,8 @@
 
 A sampler takes the kind's ``LengthsConfig``, how many requests need counts and the workload's generator, and
 returns prompt and output token counts (int64, each >= 1) with a description. A new length distribution is
-one function and one entry in the table. The ``trace`` kind has no sampler: it keeps the counts a replayed
+one function and one entry in the table; ``dataset`` draws as ``vllm bench serve``'s datasets do
+(envs/workload/datasets.py). The ``trace`` kind has no sampler: it keeps the counts a replayed
 trace carries (see ``build_workload``).
 
 Counts may exceed the engine's limit (``MAX_TOKEN_COUNT``; a long log-normal tail): ``build_workload`` cuts
@@ -19,6 +20,7 @@ from typing import Callable
 import numpy as np
 
 from servetune.config import MAX_TOKEN_COUNT, LengthsConfig
+from servetune.envs.workload.datasets import dataset_lengths
 from servetune.errors import TraceError, reading_user_file, show_text
 
 # A log-normal draw is rounded in float64 and then made an integer; above 2**53 floats skip integers and
@@ -100,6 +102,7 @@ LENGTH_SAMPLERS: dict[str, Callable[[LengthsConfig, int, np.random.Generator], T
     "geometric": geometric_lengths,
     "lognormal": lognormal_lengths,
     "empirical": empirical_lengths,
+    "dataset": dataset_lengths,   # vllm bench serve's datasets: envs/workload/datasets.py
 }
 
 

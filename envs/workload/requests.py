@@ -1,9 +1,10 @@
 """A workload: the requests a simulation serves, as host-side NumPy arrays sorted by arrival.
 
 ``build_workload`` makes one from the config's ``workload`` section: arrival times from a source
-(``ARRIVAL_SOURCES`` in arrivals.py: Poisson, Gamma, on-off, piecewise, ServeGen, or a replayed trace), token
-counts from a length kind (``LENGTH_SAMPLERS`` in lengths.py, or the trace's own), tenants with their
-priorities and shared prefixes, and cuts to ``max_model_len``, which are counted.
+(``ARRIVAL_SOURCES`` in arrivals.py: Poisson, Gamma, on-off, piecewise, ServeGen, vllm bench serve's, or a
+replayed trace), token counts from a length kind (``LENGTH_SAMPLERS`` in lengths.py, vllm bench serve's datasets
+among them, or the trace's own), tenants with their priorities and shared prefixes, and cuts to
+``max_model_len``, which are counted.
 """
 from __future__ import annotations
 

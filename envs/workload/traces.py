@@ -43,7 +43,7 @@ import numpy as np
 
 from servetune.config import MAX_CLOCK_S, MAX_TOKEN_COUNT
 from servetune.envs.workload.requests import NO_PREFIX, Workload
-from servetune.errors import TraceError, reading_user_file, show_json, show_text
+from servetune.errors import TraceError, reading_user_file, shorten, show_json, show_text
 
 Timestamp = Union[int, float]
 
@@ -476,6 +476,195 @@ def _read_mooncake_trace(path: Path) -> Workload:
         hash_ids=np.fromiter(itertools.chain.from_iterable(hash_lists), dtype=np.int64, count=int(hash_offsets[-1])),
         hash_block_tokens=MOONCAKE_BLOCK_TOKENS,
     )
+
+
+# ------------------------------------------------------------------------------- a user's own columns
+
+COLUMN_ROLES = ("timestamp", "prompt_tokens", "output_tokens")
+TIMESTAMP_UNITS = ("s", "ms", "iso8601")
+_UNIT_EXPECTATIONS = {
+    "s": "a finite number of seconds",
+    "ms": "a finite number of milliseconds",
+    "iso8601": "an ISO 8601 date-time like 2024-05-01T12:00:00.250Z",
+}
+_UNIT_NAMES = {"s": "in seconds", "ms": "in milliseconds", "iso8601": "as ISO 8601 date-times"}
+_EPOCH_NAIVE = datetime.datetime(1970, 1, 1)
+_EPOCH_AWARE = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
+_MICROSECOND = datetime.timedelta(microseconds=1)
+
+
+def _iso_microseconds(value: Any) -> tuple[int, bool]:
+    """(microseconds since 1970-01-01, whether it named a time zone) of an ISO 8601 date-time; ValueError if
+    it is none. A zone-less time is taken as written (its offsets from the first are what the replay needs)."""
+    if type(value) is not str or len(value) < 10:   # a date at least: YYYY-MM-DD
+        raise ValueError(value)
+    moment = datetime.datetime.fromisoformat(value.strip())   # Python 3.11: Z, offsets, fractions, T or space
+    if moment.tzinfo is None:
+        return (moment - _EPOCH_NAIVE) // _MICROSECOND, False
+    return (moment - _EPOCH_AWARE) // _MICROSECOND, True
+
+
+def _number(value: Any) -> float:
+    """A finite number, from a JSON number or CSV text; ValueError otherwise (``true`` is no number)."""
+    if type(value) is str:
+        number = float(value)   # ValueError for text that is no number
+    elif type(value) in (int, float):
+        try:
+            number = float(value)
+        except OverflowError:
+            raise ValueError(value) from None
+    else:
+        raise ValueError(value)
+    if not math.isfinite(number):
+        raise ValueError(value)
+    return number
+
+
+def _token_count(value: Any) -> int:
+    if type(value) is str:
+        return _read_token_count(value.strip())
+    if _is_token_count(value):
+        return value
+    raise ValueError(value)
+
+
+def _detected_unit(value: Any) -> str:
+    """timestamp_unit left out: ISO 8601 when the first timestamp is a date-time, else seconds."""
+    try:
+        _number(value)
+        return "s"
+    except ValueError:
+        pass
+    try:
+        _iso_microseconds(value)
+        return "iso8601"
+    except ValueError:
+        return "s"   # neither: reading it as seconds reports it
+
+
+def _column_records(path: Path, text: str, names: tuple[str, ...]):
+    """(where, values of ``names``) per request of a CSV file (a header naming the columns, others ignored) or
+    a JSONL file (one object per line holding the keys, others ignored): JSONL when its first character that
+    is not blank is ``{``."""
+    if text.lstrip()[:1] == "{":
+        for line_number, line in enumerate(text.split("\n"), start=1):
+            if not line.strip():
+                continue
+            where = f"{path}: line {line_number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise TraceError(f"{where}: column {error.colno}: not valid JSON ({error.msg}); expected one JSON "
+                                 "object per line") from None
+            except (ValueError, RecursionError):
+                raise TraceError(f"{where}: not a readable JSON object; expected one JSON object per line") from None
+            if type(record) is not dict:
+                raise TraceError(f"{where}: got {show_json(record)}, expected a JSON object with the keys "
+                                 f"{', '.join(names)}")
+            for name in names:
+                if name not in record:
+                    raise TraceError(f"{where}: {name}: missing, expected a key {name!r} in every line (from "
+                                     "workload.arrivals.columns)")
+            yield where, [record[name] for name in names], show_json
+        return
+    reader = csv.reader(io.StringIO(text, newline=""))
+    try:
+        header = next((record for record in reader if record), None)
+        if header is None:
+            raise TraceError(f"{path}: the trace has no requests")
+        header = [name.strip() for name in header]
+        missing = [name for name in names if name not in header]
+        if missing:
+            raise TraceError(f"{path}: line {reader.line_num}: the header {shorten(','.join(header))!r} lacks "
+                             f"{', '.join(map(repr, missing))}; expected the columns workload.arrivals.columns names")
+        repeated = sorted({name for name in names if header.count(name) > 1})
+        if repeated:
+            raise TraceError(f"{path}: line {reader.line_num}: the header names {', '.join(map(repr, repeated))} "
+                             "more than once; expected each once")
+        positions = [header.index(name) for name in names]
+        row = 0
+        for record in reader:
+            if not record:
+                continue
+            row += 1
+            where = f"{path}: row {row} (line {reader.line_num})"
+            if len(record) != len(header):
+                raise TraceError(f"{where}: got {len(record)} fields, expected {len(header)} like the header")
+            yield where, [record[at].strip() for at in positions], show_text
+    except csv.Error as error:
+        raise TraceError(f"{path}: line {reader.line_num}: unreadable CSV ({error})") from None
+
+
+def load_column_trace(path: Union[str, Path], columns, timestamp_unit: Union[str, None] = None) -> Workload:
+    """A user's own request log, CSV or JSONL, read through a column mapping: ``columns`` maps each of
+    COLUMN_ROLES (timestamp, prompt_tokens, output_tokens) to the file's column (CSV header) or key (JSONL)
+    name; other columns are ignored. ``timestamp_unit`` is s, ms or iso8601 (None: ISO 8601 when the first
+    timestamp is a date-time, else seconds). Arrivals are rebased to the earliest request and put in time
+    order (logs written by concurrent workers are not always sorted); they may span at most MAX_CLOCK_S.
+    A bad row raises ``TraceError`` naming the file, the row, the column, the value and what was expected."""
+    path = Path(path)
+    columns = columns if isinstance(columns, dict) else {role: getattr(columns, role) for role in COLUMN_ROLES}
+    names = tuple(columns[role] for role in COLUMN_ROLES)
+    text = _read_text(path, "a CSV or JSONL request log")
+    unit = timestamp_unit
+    detected = unit is None
+    stamps: list = []
+    prompt_tokens: list[int] = []
+    output_tokens: list[int] = []
+    rows: list[str] = []
+    shown: list[str] = []
+    zoned = None
+    for where, (stamp, prompt, output), show in _column_records(path, text, names):
+        if unit is None:
+            unit = _detected_unit(stamp)
+
+        def bad(role: str, value: Any, expectation: str) -> TraceError:
+            return TraceError(f"{where}: {columns[role]} (columns.{role}): got {show(value)}, expected {expectation}")
+
+        try:
+            if unit == "iso8601":
+                microseconds, has_zone = _iso_microseconds(stamp)
+                if zoned is None:
+                    zoned = has_zone
+                if has_zone != zoned:
+                    raise bad("timestamp", stamp, f"{_UNIT_EXPECTATIONS[unit]} {'with' if zoned else 'without'} a "
+                                                  "time zone, like the first row's")
+                stamps.append(microseconds)
+            else:
+                stamps.append(_number(stamp))
+        except ValueError:
+            raise bad("timestamp", stamp, _UNIT_EXPECTATIONS[unit] + (" (timestamp_unit auto: read as seconds, "
+                                                                      "since the first was not ISO 8601)"
+                                                                      if detected and unit == "s" else "")) from None
+        for role, value, counts in (("prompt_tokens", prompt, prompt_tokens), ("output_tokens", output, output_tokens)):
+            try:
+                counts.append(_token_count(value))
+            except ValueError:
+                raise bad(role, value, _TOKEN_COUNT_EXPECTATION) from None
+        rows.append(where)
+        shown.append(show(stamp))
+    if not stamps:
+        raise TraceError(f"{path}: the trace has no requests")
+    if unit == "iso8601":
+        first = min(stamps)
+        seconds = np.asarray([stamp - first for stamp in stamps], dtype=np.float64) / 1e6
+    else:
+        seconds = np.asarray(stamps, dtype=np.float64) * (1e-3 if unit == "ms" else 1.0)
+        seconds = seconds - seconds.min()
+    late = np.flatnonzero(seconds > MAX_CLOCK_S)
+    if len(late):
+        at = int(late[0])
+        raise TraceError(f"{rows[at]}: {columns['timestamp']} (columns.timestamp): got {shown[at]}, "
+                         f"{seconds[at]:.4g} s after the earliest row, expected at most {MAX_CLOCK_S:g} s after it "
+                         f"(the simulated clock's range; timestamps read {_UNIT_NAMES[unit]})")
+    order = np.argsort(seconds, kind="stable")
+    unsorted = int(np.count_nonzero(np.diff(seconds) < 0))
+    notes = [f"timestamps {'read ' if detected else ''}{_UNIT_NAMES[unit]}{' (timestamp_unit auto)' if detected else ''}"]
+    if unsorted:
+        notes.append(f"{unsorted} row{'' if unsorted == 1 else 's'} out of time order, sorted")
+    return Workload(seconds[order], np.asarray(prompt_tokens, dtype=np.int64)[order],
+                    np.asarray(output_tokens, dtype=np.int64)[order],
+                    description=f"columns trace {path.name} ({'; '.join(notes)})")
 
 
 # ---------------------------------------------------------------------------------------------------- API
