@@ -24,7 +24,7 @@ import numpy as np
 
 from servetune.config import SloConfig, WorkloadConfig
 from servetune.errors import InvalidValue
-from servetune.envs.metrics import percentile_stat, statistics
+from servetune.envs.metrics import statistics
 from servetune.envs.sim.outcome import (
     COMPLETED, NOT_ARRIVED, REJECT_MAX_MODEL_LEN, REJECT_QUEUE_FULL, REJECT_TENANT_RATE, REJECTED,
     SimulationOutcome,
@@ -116,6 +116,11 @@ def request_rate_and_burstiness(config: WorkloadConfig, outcome: SimulationOutco
         # A gamma process with coefficient of variation cv has shape 1 / cv^2: vLLM's burstiness.
         burstiness = 1.0 if arrivals.kind == "poisson" or arrivals.cv is None else 1.0 / float(arrivals.cv) ** 2
         return float(arrivals.rate), burstiness
+    if not own_process and arrivals.kind == "vllm" and arrivals.ramp_up is None:
+        # The flags themselves: an unset rate is vLLM's inf (every request at 0).
+        rate = arrivals.request_rate
+        burstiness = 1.0 if arrivals.burstiness is None else float(arrivals.burstiness)   # vLLM's default
+        return ("inf" if rate is None or math.isinf(rate) else float(rate)), burstiness
     times = np.sort(outcome.requests.arrival_s[outcome.requests.status != NOT_ARRIVED])
     span = float(times[-1] - times[0]) if times.size else 0.0
     return ((len(times) - 1) / span if span > 0 else "inf"), None
