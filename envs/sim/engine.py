@@ -6,8 +6,10 @@ this module computes the same thing without a Python loop over requests or steps
 * A **request table** (one row per request, in arrival order) holds what persists while a request is
   not running; a **slot table** (``num_slots`` rows) holds the running requests, compacted in
   admission order so that "earlier-admitted first" is simply array order.
-* The waiting queue is a ring buffer of request ids: arrivals append at the back, preempted requests
-  are prepended at the front, admissions pop the front.
+* The waiting queue sits behind one interface, `WaitingQueue`, as vLLM's ``create_request_queue(policy)``:
+  fcfs is a ring buffer of request ids (`RingQueue`: arrivals append at the back, preempted requests are
+  prepended at the front, admissions pop the front); the scored orders keep a pool ranked by score
+  (`PoolQueue`). `waiting_queue` picks one, statically, from the policy.
 * Open-loop arrivals are a pointer into the request table, sorted by arrival. Closed-loop sessions keep
   one pending call per session instead -- the call that arrives next and when -- which completions and
   rejections write, and from which each iteration takes the due calls earliest first (ties by id). Its
@@ -204,91 +206,62 @@ class EngineState:
 
 
 # ---------------------------------------------------------------------------------------------
-# One loop iteration (docs/engine-semantics.md names the steps)
+# One loop iteration: the outline. Its numbered banners are envs/sim/reference.py's steps (the decision
+# rules they name are docs/engine-semantics.md's, numbered there from the static batch on).
 # ---------------------------------------------------------------------------------------------
-def _iteration(trace, params, state, cost_fn, num_slots, scored: bool):
-    """One turn of the loop: the decision at a step boundary (``state``), as vLLM's ``Scheduler.schedule()``
-    takes it (``decided``), then the steps it launches, to the next boundary (``after``). ``scored``: the
-    waiting requests are a pool ranked by score (every order but fcfs) rather than a ring in arrival order."""
-    if scored:
-        # Room for this iteration's arrivals and preemption victims, before anything reads the pool.
-        state = _make_room(state, ARRIVALS_PER_ITERATION + num_slots)
-    # -- Arrival: the API server's refusals, then the back of the waiting queue ----------------------
-    state, more_due, arrived = _process_arrivals(trace, params, state, scored)
+def _iteration(trace, params, state, cost_fn, num_slots, queue: "WaitingQueue"):
+    """One turn of the loop: the decision at a step boundary, as vLLM's ``Scheduler.schedule()`` takes it, then
+    the steps it launches, to the next boundary. ``queue`` is the waiting queue's implementation (`RingQueue`
+    for fcfs, `PoolQueue` for the scored orders), chosen once from the policy: `waiting_queue`."""
+    state = queue.make_room(state, num_slots)
+    # -- 1. arrivals: the API server's refusals, then the back of the waiting queue ---------------------
+    state, more_due, arrived = _process_arrivals(trace, params, state, queue)
     past_horizon = df_le(params.horizon_hi, params.horizon_lo, state.clock_hi, state.clock_lo)
     live = _live(state, params)
     active = ~more_due & ~past_horizon & live
-
-    if scored:
-        # Only where a request could be admitted: such boundaries always end a macro-step, so the lift
-        # sees the same counters as it would one engine step at a time.
-        lifts = active & ~_seats_closed(params, state.num_running)
-        lifted = _lift_rejoining_tenants(state)
-        state = replace(state,
-            tenant_tokens=jnp.where(lifts, lifted.tenant_tokens, state.tenant_tokens),
-            tenant_active=jnp.where(lifts, lifted.tenant_active, state.tenant_active))
-        front, front_valid, front_at = _pool_front(trace, params, state, num_slots)
-    else:
-        front, front_valid = _queue_front(trace, params, state, arrived, num_slots)
-    # -- 1. static batching: a batch moves in when nothing runs ---------------------------------------
-    timeout = _static_timeout(trace, params, state, front)
-    decided, batched = _form_static_batch(trace, params, state, front, front_valid, timeout, num_slots)
-    # -- 2. running pass, preempting by recompute where the cache is short ---------------------------
-    cap = _long_prefill_cap(params, state.num_running + state.queue_len)   # a batch formed moves none out
-    if scored:
-        slots, tokens, preempted, free = _running_pass_by_score(params, decided, num_slots, cap)
-    else:
-        slots, tokens, preempted, end, free = _running_pass(params, decided, num_slots, cap)
-    preempted = preempted & active
-    tokens = jnp.where(active, tokens, 0)
-    decided = _requeue_preempted(trace, params, decided, slots, preempted, num_slots)
-    if scored:
-        # The requests that left as the decision was being taken leave the tenants' counts now.
-        left = slots.leaving & (jnp.arange(num_slots) < decided.num_running)
-        decided = replace(decided, tenant_in_system=decided.tenant_in_system.at[slots.tenant].add(-left.astype(i32)))
-        # Victims may be anywhere in the running set: close the gaps, keeping admission order.
-        slots, tokens, end = _kept(slots, tokens, (jnp.arange(num_slots) < decided.num_running) & ~preempted)
-    decided = replace(decided, num_running=end)
-    # -- 3. waiting pass: admissions from the queue's front, while budget, seats and blocks last --------
+    # -- 1b. the queue's front: a scored queue ranks the waiting requests here ----------------------------
+    state, front = queue.front(trace, params, state, arrived, active, num_slots)
+    boundary = state   # what the boundary sees: the outcome of an iteration that decides nothing
+    # -- 2. static batch formation (semantics: decision rule 1): a batch moves in when nothing runs --------
+    timeout = _static_timeout(trace, params, state, front.rows)
+    state, batched = _form_static_batch(trace, params, state, front, timeout, num_slots, queue)
+    # -- 3. running pass (rule 2), preempting by recompute where the cache is short ------------------------
+    cap = _long_prefill_cap(params, boundary.num_running + boundary.queue_len)   # a batch formed moves none out
+    passed = queue.running_pass(params, state, num_slots, cap)
+    preempted = passed.preempted & active
+    tokens = jnp.where(active, passed.tokens, 0)
+    state = _requeue_preempted(trace, params, state, passed.slots, preempted, queue)
+    state, slots, tokens, end = queue.close_gaps(state, passed.slots, tokens, preempted, passed.end)
+    state = replace(state, num_running=end)
+    # -- 4. waiting pass (rule 3): admissions from the queue's front, while budget, seats and blocks last ---
     budget_left = params.max_num_batched_tokens - jnp.sum(tokens)
     allowed = active & ~params.static_batching & ~jnp.any(preempted)
-    decided, slots, admitted_tokens, admitted, free = _waiting_pass(
-        trace, params, decided, front, front_valid, slots, budget_left, free, allowed, num_slots, cap)
+    state, slots, admitted_tokens, admitted, free = _waiting_pass(
+        trace, params, state, front, slots, budget_left, passed.free, allowed, num_slots, cap, queue)
     tokens = tokens + admitted_tokens
-    if scored:
-        decided = _remove_from_pool(decided, front_at, jnp.where(active, batched + admitted, 0))
-    else:
-        decided = replace(decided, queue=_write_queue(trace, state.queue, arrived, slots.req,
-                                                      preempted & ~slots.leaving, decided.queue_head - admitted))
+    state = queue.commit(trace, state, front, arrived, slots, preempted, batched, admitted, active)
     # The requests that left as the decision was being taken give up their seats and blocks in `_advance`'s
     # compaction.
-    decided = replace(decided, slots=slots, num_running=end + admitted, free_blocks=free)
+    state = replace(state, slots=slots, num_running=end + admitted, free_blocks=free)
 
-    # -- Steps: the scheduled step and the run of steps of its shape after it; else idle ---------------
+    # -- 6. the scheduled step and the run of steps of its shape after it (else 5. idle) -----------------
     busy = jnp.any(tokens > 0)
-    front_blocks = None
-    if not scored:
-        # What the queue's front will need to be admitted (the waiting pass's test).
-        at = jnp.minimum(admitted, num_slots - 1)
-        length = front.prompt[at] + front.generated[at]
-        chunk = jnp.where(params.reserve_full_prompt, length, front.computed[at] + 1)
-        # (After a preemption the victims are the front: claim nothing.)
-        front_blocks = jnp.where(front_valid[at] & (admitted < num_slots) & ~jnp.any(preempted),
-                                 _ceil_div(chunk, params.block_size) + params.watermark_blocks, 0)
-    stepped = _advance(trace, params, decided, slots, tokens, cost_fn, num_slots, front_blocks)
+    front_blocks = queue.front_blocks(params, front, admitted, preempted, num_slots)
+    stepped = _advance(trace, params, state, slots, tokens, cost_fn, num_slots, queue, front_blocks)
     # A decision taken a step early that schedules nothing is taken again now, on what this boundary sees
     # (with nothing scheduled `_advance` only drops the requests that left).
-    retaken = replace(decided, slots=stepped.slots, num_running=stepped.num_running,
+    retaken = replace(state, slots=stepped.slots, num_running=stepped.num_running,
                       free_blocks=stepped.free_blocks, pipelined_now=jnp.asarray(False))
-    idled = _idle(trace, params, state, timeout)
-    after = _choose(active, _choose(busy, stepped, _choose(state.pipelined_now, retaken, idled)), state)
+    # -- 5. idle: nothing to schedule --------------------------------------------------------------------
+    idled = _idle(trace, params, boundary, timeout)
+    after = _choose(active, _choose(busy, stepped, _choose(boundary.pipelined_now, retaken, idled)), boundary)
     # The slot count is a capacity bound, not a knob: if it ever binds, the caller reruns with more.
     table_full = (end + admitted >= num_slots) & (num_slots < params.max_num_seqs) & ~params.static_batching
-    slots_filled = state.slots_filled | (active & table_full)
+    slots_filled = boundary.slots_filled | (active & table_full)
     return replace(after,
         # A run that outgrew its tables is rerun with larger ones, so it may stop here.
         ended=after.ended | (~more_due & past_horizon) | slots_filled | after.pool_filled,
-        iterations=state.iterations + live.astype(i32),
+        iterations=boundary.iterations + live.astype(i32),
         slots_filled=slots_filled,
     )
 
@@ -453,7 +426,7 @@ class Arrived(NamedTuple):
     tail: jnp.ndarray    # ring position of the first of them (the queue's back before they came)
 
 
-def _process_arrivals(trace: Trace, params: EngineParams, state: EngineState, scored: bool):
+def _process_arrivals(trace: Trace, params: EngineParams, state: EngineState, queue: "WaitingQueue"):
     """Admit or reject up to ARRIVALS_PER_ITERATION due arrivals, in order; report if more are due."""
     n = trace.prompt.shape[0]
     index, arrival_hi, arrival_lo, due, more_due = _due_arrivals(trace, params, state)
@@ -489,18 +462,7 @@ def _process_arrivals(trace: Trace, params: EngineParams, state: EngineState, sc
     # A request arriving mid-step is in the system from its arrival, though processed at the boundary.
     waited = df_sub(state.clock_hi, state.clock_lo, arrival_hi, arrival_lo)
     next_arrival = state.next_arrival + jnp.sum(due, dtype=i32)
-    if scored:
-        # Arrivals are newer than everything in the pool, so appending keeps it in id order. One that
-        # finds the pool full marks the run for a rerun with a larger pool (and this run ends).
-        where = state.pool_end + rank
-        state = replace(state,
-            queue=_set_where(state.queue, where, index, accepted),
-            pool_key=_set_where(state.pool_key, where, _static_keys(trace, params, safe), accepted),
-            pool_tenant=_set_where(state.pool_tenant, where, trace.tenant[safe], accepted),
-            pool_end=state.pool_end + count,
-            pool_filled=state.pool_filled | (state.pool_end + count > state.queue.shape[0]),
-            tenant_in_system=state.tenant_in_system.at[trace.tenant[safe]].add(accepted.astype(i32)),
-        )
+    state = queue.append(trace, params, state, index, safe, accepted, rank, count)
     state = replace(state,
         queue_len=state.queue_len + count,
         requests=req,
@@ -528,10 +490,183 @@ def _release_next_calls(trace, state, calls, release, written, at):
 
 
 # ---------------------------------------------------------------------------------------------
-# Scheduling
+# The waiting queue: one interface, two implementations (vLLM's create_request_queue(policy))
 # ---------------------------------------------------------------------------------------------
-def _queue_front(trace: Trace, params: EngineParams, state: EngineState, arrived: Arrived,
-                 num_slots: int) -> tuple[Slots, jnp.ndarray]:
+class Front(NamedTuple):
+    """The first num_slots waiting requests in the order the passes admit them, as would-be slot rows."""
+
+    rows: Slots
+    valid: jnp.ndarray    # which of them exist
+    at: Any = None        # the pool only: where each sits in it (so that admitting them can remove them)
+
+
+class RunningPass(NamedTuple):
+    """What the running pass decided: the slots with their new blocks, the tokens per slot, the victims."""
+
+    slots: Slots
+    tokens: jnp.ndarray
+    preempted: jnp.ndarray
+    end: Any              # the ring only: where the running set ends once its victims (a suffix) leave
+    free: jnp.ndarray     # free blocks after the pass
+
+
+class WaitingQueue:
+    """The waiting queue behind one interface, as vLLM's ``create_request_queue(policy)``: the fcfs
+    `RingQueue` or the scored `PoolQueue` (priority, sjf, fair, edf, weighted), chosen once, statically, by
+    `waiting_queue`. Its state lives in `EngineState` (``queue``, ``queue_head``, ``queue_len``, the
+    ``pool_*`` and ``tenant_*`` fields); the methods are the places where the two orders differ:
+
+    * ``make_room(state, num_slots)``: before anything reads the queue (the pool compacts);
+    * ``append(trace, params, state, ids, safe, accepted, rank, count)``: accepted arrivals join the back;
+    * ``front(trace, params, state, arrived, active, num_slots) -> (state, Front)``: step 1b;
+    * ``running_pass(params, state, num_slots, cap) -> RunningPass``: the policy's preemption victim;
+    * ``close_gaps(state, slots, tokens, preempted, end) -> (state, slots, tokens, end)``: after preemption;
+    * ``requeue(trace, params, state, ids, requeued)``: preemption victims rejoin the queue;
+    * ``pop_front(trace, state, count)``: the first `count` of the front were admitted;
+    * ``commit(trace, state, front, arrived, slots, preempted, batched, admitted, active)``: the iteration's
+      one write of the queue, after every read of it;
+    * ``front_blocks(params, front, admitted, preempted, num_slots)``: what the next admission needs (or None);
+    * ``ends_run(admits, seat, arrived, members, num_running)``: the boundaries that end a look-ahead run;
+    * ``charge(params, state, slots, tokens, look, run, finished)``: per-tenant service counters.
+    """
+
+
+class RingQueue(WaitingQueue):
+    """fcfs: a ring buffer of request ids. Arrivals append at the back, preempted requests are prepended at
+    the front, admissions pop the front; the ring array is written once per iteration (`_write_queue`)."""
+
+    def make_room(self, state, num_slots):
+        return state
+
+    def append(self, trace, params, state, ids, safe, accepted, rank, count):
+        return state   # written at the iteration's end (`commit`), from `Arrived`
+
+    def front(self, trace, params, state, arrived, active, num_slots):
+        return state, _queue_front(trace, params, state, arrived, num_slots)
+
+    def running_pass(self, params, state, num_slots, cap):
+        return RunningPass(*_running_pass(params, state, num_slots, cap))
+
+    def close_gaps(self, state, slots, tokens, preempted, end):
+        return state, slots, tokens, end   # the victims were the back of the running set
+
+    def requeue(self, trace, params, state, ids, requeued):
+        count = jnp.sum(requeued, dtype=i32)
+        return replace(state, queue_head=(state.queue_head - count) % trace.prompt.shape[0],
+                       queue_len=state.queue_len + count)
+
+    def pop_front(self, trace, state, count):
+        return replace(state, queue_head=(state.queue_head + count) % trace.prompt.shape[0],
+                       queue_len=state.queue_len - count)
+
+    def commit(self, trace, state, front, arrived, slots, preempted, batched, admitted, active):
+        return replace(state, queue=_write_queue(trace, state.queue, arrived, slots.req, preempted & ~slots.leaving,
+                                                 state.queue_head - admitted))
+
+    def front_blocks(self, params, front, admitted, preempted, num_slots):
+        """What the queue's front will need to be admitted (the waiting pass's test; after a preemption the
+        victims are the front: claim nothing)."""
+        at = jnp.minimum(admitted, num_slots - 1)
+        length = front.rows.prompt[at] + front.rows.generated[at]
+        chunk = jnp.where(params.reserve_full_prompt, length, front.rows.computed[at] + 1)
+        return jnp.where(front.valid[at] & (admitted < num_slots) & ~jnp.any(preempted),
+                         _ceil_div(chunk, params.block_size) + params.watermark_blocks, 0)
+
+    def ends_run(self, admits, seat, arrived, members, num_running):
+        return admits
+
+    def charge(self, params, state, slots, tokens, look, run, finished):
+        return state
+
+
+class PoolQueue(WaitingQueue):
+    """A scored order: `queue` is a pool of waiting ids in [0, pool_end), kept in id (= arrival) order so that
+    top_k, which breaks ties by position, breaks them by arrival; admitted entries are marked (+inf keys) and
+    compacted away when room runs short. Per tenant, VTC's virtual token counters. vLLM's priority policy
+    preempts the worst-scored running request wherever it runs (`_running_pass_by_score`)."""
+
+    def make_room(self, state, num_slots):
+        # Room for this iteration's arrivals and preemption victims, before anything reads the pool.
+        return _make_room(state, ARRIVALS_PER_ITERATION + num_slots)
+
+    def append(self, trace, params, state, ids, safe, accepted, rank, count):
+        # Arrivals are newer than everything in the pool, so appending keeps it in id order. One that finds
+        # the pool full marks the run for a rerun with a larger pool (and this run ends).
+        where = state.pool_end + rank
+        return replace(state,
+            queue=_set_where(state.queue, where, ids, accepted),
+            pool_key=_set_where(state.pool_key, where, _static_keys(trace, params, safe), accepted),
+            pool_tenant=_set_where(state.pool_tenant, where, trace.tenant[safe], accepted),
+            pool_end=state.pool_end + count,
+            pool_filled=state.pool_filled | (state.pool_end + count > state.queue.shape[0]),
+            tenant_in_system=state.tenant_in_system.at[trace.tenant[safe]].add(accepted.astype(i32)),
+        )
+
+    def front(self, trace, params, state, arrived, active, num_slots):
+        # Only where a request could be admitted: such boundaries always end a macro-step, so the lift sees
+        # the same counters as it would one engine step at a time.
+        lifts = active & ~_seats_closed(params, state.num_running)
+        lifted = _lift_rejoining_tenants(state)
+        state = replace(state,
+            tenant_tokens=jnp.where(lifts, lifted.tenant_tokens, state.tenant_tokens),
+            tenant_active=jnp.where(lifts, lifted.tenant_active, state.tenant_active))
+        return state, _pool_front(trace, params, state, num_slots)
+
+    def running_pass(self, params, state, num_slots, cap):
+        slots, tokens, preempted, free = _running_pass_by_score(params, state, num_slots, cap)
+        return RunningPass(slots, tokens, preempted, None, free)
+
+    def close_gaps(self, state, slots, tokens, preempted, end):
+        seated = jnp.arange(preempted.shape[0]) < state.num_running
+        # The requests that left as the decision was being taken leave the tenants' counts now.
+        left = slots.leaving & seated
+        state = replace(state, tenant_in_system=state.tenant_in_system.at[slots.tenant].add(-left.astype(i32)))
+        # Victims may be anywhere in the running set: close the gaps, keeping admission order.
+        slots, tokens, end = _kept(slots, tokens, seated & ~preempted)
+        return state, slots, tokens, end
+
+    def requeue(self, trace, params, state, ids, requeued):
+        return _insert_into_pool(trace, params, state, ids, requeued)
+
+    def pop_front(self, trace, state, count):
+        return state   # the admitted leave by position once per iteration (`commit`)
+
+    def commit(self, trace, state, front, arrived, slots, preempted, batched, admitted, active):
+        return _remove_from_pool(state, front.at, jnp.where(active, batched + admitted, 0))
+
+    def front_blocks(self, params, front, admitted, preempted, num_slots):
+        return None
+
+    def ends_run(self, admits, seat, arrived, members, num_running):
+        # The tenant counters read every boundary with an open seat (the lift's rule reads seats, not budget).
+        return admits | (seat & (arrived | (members < num_running)))
+
+    def charge(self, params, state, slots, tokens, look, run, finished):
+        """VTC: each tenant's counter grows by its requests' service over the run (`slots` and `tokens` as
+        scheduled); a request that completes leaves its tenant's count, except that one the last step
+        completes is still in the system for the next (async) decision."""
+        is_decode0 = look.scheduled & (tokens == 1) & (slots.generated >= 1)
+        chunk_service = jnp.sum(jnp.where(run.later_steps & look.in_prefill,
+                                          jnp.where(look.chunk_is_decode, DECODE_TOKEN_WEIGHT,
+                                                    PREFILL_TOKEN_WEIGHT * look.chunk), 0))
+        service = (jnp.where(is_decode0, DECODE_TOKEN_WEIGHT, PREFILL_TOKEN_WEIGHT * tokens)
+                   + DECODE_TOKEN_WEIGHT * run.grow + jnp.where(look.is_prefill, chunk_service, 0))
+        in_system_still = params.pipelined & (run.through == run.extra)
+        return replace(state,
+            tenant_tokens=state.tenant_tokens.at[slots.tenant].add(jnp.where(look.running, service, 0)),
+            tenant_in_system=state.tenant_in_system.at[slots.tenant].add(-(finished & ~in_system_still).astype(i32)),
+        )
+
+
+RING, POOL = RingQueue(), PoolQueue()
+
+
+def waiting_queue(queue_shape: Optional[QueueShape]) -> WaitingQueue:
+    """The queue a run's policy uses: ``queue_shape`` None is fcfs's ring, else a scored pool of that shape."""
+    return RING if queue_shape is None else POOL
+
+
+def _queue_front(trace: Trace, params: EngineParams, state: EngineState, arrived: Arrived, num_slots: int) -> Front:
     """The first num_slots waiting requests, as would-be slot rows, and which of them exist.
 
     This iteration's arrivals are not in the ring yet: they follow its older entries.
@@ -551,12 +686,23 @@ def _queue_front(trace: Trace, params: EngineParams, state: EngineState, arrived
         blocks=jnp.zeros(num_slots, i32),  # set by the admitting caller
         gap=since_last, max_gap=req.max_gap[ids], sum_sq_gap=req.sum_sq_gap[ids], leaving=jnp.zeros(num_slots, bool),
     )
-    return rows, valid
+    return Front(rows, valid)
 
 
-def _max_tokens(trace: Trace, params: EngineParams, ids):
-    """The output tokens requests `ids` ask for, as vLLM's API server cuts them to fit max_model_len."""
-    return jnp.minimum(trace.output[ids], params.max_model_len - trace.prompt[ids])
+def _write_queue(trace, queue, arrived: Arrived, victims, requeued, victims_head):
+    """The iteration's one write to the ring, after every read of it: arrivals at the back (from where
+    the back was before them) and the requeued preemption victims at the front, in admission order.
+
+    One scatter, not two: the victims depend on the iteration's read of the queue front, so XLA orders
+    the write after that read and updates the ring in place. (A separate arrivals scatter has no such
+    dependence, and XLA would copy the whole ring every iteration to keep the read safe.)
+    """
+    n = trace.prompt.shape[0]
+    r = jnp.arange(ARRIVALS_PER_ITERATION, dtype=i32)
+    where = jnp.concatenate([(arrived.tail + r) % n, (victims_head + _exclusive_cumsum(requeued.astype(i32))) % n])
+    what = jnp.concatenate([arrived.ids, victims])
+    write = jnp.concatenate([r < arrived.count, requeued])
+    return _set_where(queue, where, what, write)
 
 
 def _lift_rejoining_tenants(state: EngineState) -> EngineState:
@@ -595,7 +741,7 @@ def _deficit_term(params: EngineParams, state: EngineState, tenant):
     return params.order_weights[DEFICIT] * (state.tenant_tokens[tenant] - lowest).astype(f32)
 
 
-def _pool_front(trace: Trace, params: EngineParams, state: EngineState, num_slots: int):
+def _pool_front(trace: Trace, params: EngineParams, state: EngineState, num_slots: int) -> Front:
     """The num_slots best-scored waiting requests as would-be slot rows, which of them exist, and where
     each sits in the pool (so that admitting them can remove them)."""
     pool_size = state.queue.shape[0]
@@ -614,7 +760,7 @@ def _pool_front(trace: Trace, params: EngineParams, state: EngineState, num_slot
         gap=since_last, max_gap=req.max_gap[ids], sum_sq_gap=req.sum_sq_gap[ids], leaving=jnp.zeros(num_slots, bool),
         tenant=trace.tenant[ids], rank=-neg_score,
     )
-    return rows, valid, at
+    return Front(rows, valid, at)
 
 
 def _rank_among(x, mask):
@@ -694,6 +840,14 @@ def _inserted(trace, params, fields, ids, mask):
     return queue, key, tenant, queue_len + count, pool_end + count, filled | (pool_end + count > pool_size)
 
 
+# ---------------------------------------------------------------------------------------------
+# Scheduling: the decision's passes
+# ---------------------------------------------------------------------------------------------
+def _max_tokens(trace: Trace, params: EngineParams, ids):
+    """The output tokens requests `ids` ask for, as vLLM's API server cuts them to fit max_model_len."""
+    return jnp.minimum(trace.output[ids], params.max_model_len - trace.prompt[ids])
+
+
 def _cached(params: EngineParams, ids):
     """Where the prefill of requests `ids` starts: after their cached prefix (envs/sim/prefix_cache.py)."""
     if params.cached_tokens is None:
@@ -740,9 +894,9 @@ def _static_timeout(trace, params, state, front: Slots):
     return df_add(*_arrival_of(trace, state, front.req[0]), params.max_wait_s)
 
 
-def _form_static_batch(trace, params, state, front: Slots, valid, timeout, num_slots):
+def _form_static_batch(trace, params, state, front: Front, timeout, num_slots, queue: "WaitingQueue"):
     """Static batching: when idle and the queue is full or old enough, a whole batch starts at once."""
-    rows = front
+    rows, valid = front.rows, front.valid
     timeout_hi, timeout_lo = timeout
     trigger = (
         params.static_batching & (state.num_running == 0) & (state.queue_len > 0)
@@ -760,16 +914,7 @@ def _form_static_batch(trace, params, state, front: Slots, valid, timeout, num_s
         num_running=state.num_running + count,
         free_blocks=state.free_blocks - jnp.sum(jnp.where(take, blocks, 0)),
     )
-    return _pop_front(trace, state, count), count
-
-
-def _pop_front(trace, state: EngineState, count) -> EngineState:
-    """The fcfs ring's first `count` leave it. (A scored pool ignores this: it removes its admitted by
-    position once per iteration, in `_remove_from_pool`.)"""
-    if state.slots.rank is not None:
-        return state
-    return replace(state, queue_head=(state.queue_head + count) % trace.prompt.shape[0],
-                   queue_len=state.queue_len - count)
+    return queue.pop_front(trace, state, count), count
 
 
 def _running_pass(params, state, num_slots, cap):
@@ -884,22 +1029,18 @@ def _kept_slots(slots: Slots, keep, num_slots: int) -> tuple[Slots, jnp.ndarray]
     return moved, source
 
 
-def _requeue_preempted(trace, params, state, slots, preempted, num_slots):
+def _requeue_preempted(trace, params, state, slots, preempted, queue: "WaitingQueue"):
     """Victims go to the front of the fcfs queue in admission order (into a scored pool at their places),
     keeping what they emitted. A leaving victim has completed (vLLM delivers its last token as stale output
     and finishes it from the queue): it only counts the preemption.
 
     `preempted` must already be False everywhere in an iteration that does not step the engine: the
     queue and request table are only ever written through masked scatters, never selected whole. The
-    ring itself is written by `_write_queue`; here only its head moves.
+    queue is written once per iteration, by `WaitingQueue.commit`; here only its head moves.
     """
     n = trace.prompt.shape[0]
     requeued = preempted & ~slots.leaving
-    count = jnp.sum(requeued, dtype=i32)
-    if slots.rank is None:
-        state = replace(state, queue_head=(state.queue_head - count) % n, queue_len=state.queue_len + count)
-    else:
-        state = _insert_into_pool(trace, params, state, slots.req, requeued)
+    state = queue.requeue(trace, params, state, slots.req, requeued)
     last_hi, last_lo = df_add(state.clock_hi, state.clock_lo, -slots.gap)
     req = state.requests
     req = replace(req,
@@ -913,23 +1054,8 @@ def _requeue_preempted(trace, params, state, slots, preempted, num_slots):
     return replace(state, requests=req)
 
 
-def _write_queue(trace, queue, arrived: Arrived, victims, requeued, victims_head):
-    """The iteration's one write to the ring, after every read of it: arrivals at the back (from where
-    the back was before them) and the requeued preemption victims at the front, in admission order.
-
-    One scatter, not two: the victims depend on the iteration's read of the queue front, so XLA orders
-    the write after that read and updates the ring in place. (A separate arrivals scatter has no such
-    dependence, and XLA would copy the whole ring every iteration to keep the read safe.)
-    """
-    n = trace.prompt.shape[0]
-    r = jnp.arange(ARRIVALS_PER_ITERATION, dtype=i32)
-    where = jnp.concatenate([(arrived.tail + r) % n, (victims_head + _exclusive_cumsum(requeued.astype(i32))) % n])
-    what = jnp.concatenate([arrived.ids, victims])
-    write = jnp.concatenate([r < arrived.count, requeued])
-    return _set_where(queue, where, what, write)
-
-
-def _waiting_pass(trace, params, state, front: Slots, valid, slots, budget_left, free, allowed, num_slots, cap):
+def _waiting_pass(trace, params, state, front: Front, slots, budget_left, free, allowed, num_slots, cap,
+                  queue: "WaitingQueue"):
     """Continuous batching admits from the queue front while seats, budget and blocks allow.
 
     An admission takes the blocks of the chunk it schedules (its cached prefix included); with
@@ -937,7 +1063,7 @@ def _waiting_pass(trace, params, state, front: Slots, valid, slots, budget_left,
     scheduler_reserve_full_isl). The watermark keeps headroom only once something runs. Only runs when
     nothing was preempted, so the front is the one read at the start of the iteration.
     """
-    rows = front
+    rows, valid = front.rows, front.valid
     k = jnp.arange(num_slots, dtype=i32)
     need = rows.prompt + rows.generated
     tokens, fits_budget = _take_from_budget(jnp.where(valid, need - rows.computed, 0), budget_left, params, cap,
@@ -955,54 +1081,92 @@ def _waiting_pass(trace, params, state, front: Slots, valid, slots, budget_left,
     # Candidate k now sits in slot num_running + k; slot p takes candidate p - num_running's tokens.
     admitted_tokens = jnp.where((k >= state.num_running) & (k < state.num_running + count),
                                 tokens[jnp.clip(k - state.num_running, 0, num_slots - 1)], 0)
-    state = _pop_front(trace, state, count)
+    state = queue.pop_front(trace, state, count)
     return state, slots, admitted_tokens, count, free - jnp.sum(jnp.where(admit, blocks, 0))
 
 
 # ---------------------------------------------------------------------------------------------
 # Executing scheduled steps
 # ---------------------------------------------------------------------------------------------
-def _batch_summary(slots: Slots, tokens):
-    """The StepBatch of the scheduled step, and which scheduled requests count as decodes."""
-    scheduled = tokens > 0
-    is_decode = scheduled & (tokens == 1) & (slots.generated >= 1)
-    is_prefill = scheduled & ~is_decode
-    c = slots.computed.astype(f32)
-    q = tokens.astype(f32)
-    return StepBatch(
-        num_prefill_seqs=jnp.sum(is_prefill).astype(f32),
-        prefill_tokens=jnp.sum(jnp.where(is_prefill, q, 0.0)),
-        prefill_context_tokens=jnp.sum(jnp.where(is_prefill, c + q, 0.0)),
-        prefill_attention_pairs=jnp.sum(jnp.where(is_prefill, q * (c + q / 2), 0.0)),
-        num_decode_seqs=jnp.sum(is_decode).astype(f32),
-        decode_context_tokens=jnp.sum(jnp.where(is_decode, c + 1, 0.0)),
-    )
+class LookAhead(NamedTuple):
+    """The scheduled step (step 0) and the shape of the steps 1 .. LOOKAHEAD_STEPS - 1 that could follow it.
+    Per slot unless it says per step (arrays of LOOKAHEAD_STEPS, index j)."""
+
+    j: jnp.ndarray                # per step: its index
+    zero: jnp.ndarray             # per step: it is step 0
+    running: jnp.ndarray          # seated at the boundary
+    scheduled: jnp.ndarray        # scheduled in step 0
+    emits: jnp.ndarray            # emits a token at step 0's end
+    computed: jnp.ndarray         # after step 0
+    generated: jnp.ndarray        # after step 0
+    continues: jnp.ndarray        # (scalar) step 0 can be followed by steps of its shape at all
+    prefill_repeats: jnp.ndarray  # (scalar) the last admitted keeps prefilling in chunks through the run
+    is_prefill: jnp.ndarray       # that request
+    left_before: jnp.ndarray      # left as this step was scheduled (async): takes no part, dropped at the end
+    decoder: jnp.ndarray          # decodes in the steps after step 0 while it has tokens left
+    left: jnp.ndarray             # tokens to emit after step 0 (0: it finished there)
+    decodes: jnp.ndarray          # per step: decoders taking part
+    seated: jnp.ndarray           # per step: decoders seated at the boundary before it (async: step j - 1's)
+    held: jnp.ndarray             # per step: blocks held by those taking part
+    need: jnp.ndarray             # (scalar) the prefilling request's tokens still to compute after step 0
+    lone: jnp.ndarray             # per step: nothing else in the system (the long-prefill cap is dropped)
+    chunk: jnp.ndarray            # per step: the prefilling request's chunk
+    in_prefill: jnp.ndarray       # per step: it takes part
+    past_prefill: jnp.ndarray     # per step: it would decode, a new shape
+    prefill_context: jnp.ndarray  # per step: its computed tokens before the chunk (float32)
+    chunk_is_decode: jnp.ndarray  # per step: a one-token chunk of a request that has emitted counts as a decode
+    prefill_blocks: jnp.ndarray   # per step: the blocks it holds
+    members: jnp.ndarray          # per step: requests in step j (j >= 1)
+    batch: StepBatch              # per step: what the cost model is given
 
 
-def _suffix_sums(x):
-    """Along axis 0: entry j is the sum of entries j, j + 1, ..."""
-    return jnp.cumsum(x[::-1], axis=0)[::-1]
+class StepTimes(NamedTuple):
+    durations: jnp.ndarray        # per step
+    starts: jnp.ndarray           # since the boundary
+    ends: jnp.ndarray
 
 
-def _strided_sums(x, stride):
-    """out[t] = x[t] + x[t - stride] + x[t - 2 stride] + ... (a traced stride >= 1), by doubling: after
-    round r each entry holds 2**r terms. (A mask over all pairs costs length**2 per call.)"""
-    n = x.shape[0]
-    shift = stride
-    for _ in range(max(1, n - 1).bit_length()):
-        padded = jnp.concatenate([jnp.zeros(n, x.dtype), x])
-        x = x + jax.lax.dynamic_slice(padded, (n - jnp.minimum(shift, n),), (n,))
-        shift = shift * 2
-    return x
+class Run(NamedTuple):
+    """How many of the look-ahead's steps happen before an event, and what each request does in them."""
+
+    mask: jnp.ndarray             # per step: in the run (a prefix, step 0 always)
+    steps: jnp.ndarray            # its length, k
+    extra: jnp.ndarray            # k - 1: its last step
+    total: jnp.ndarray            # its duration
+    later_steps: jnp.ndarray      # per step: in the run, after step 0
+    prefilled: jnp.ndarray        # tokens the prefilling request computes after step 0
+    prefill_emits: jnp.ndarray    # its last chunk was in the run
+    grow: jnp.ndarray             # per slot: the decode steps after step 0 each takes
+    through: jnp.ndarray          # per slot: the last step each takes part in
+    spare: jnp.ndarray            # per slot: free token positions in its blocks after step 0
+    first_end: tuple              # (hi, lo) when step 0 ends
+    end: tuple                    # (hi, lo) when the run ends
+    finish: tuple                 # (hi, lo) per slot, when its last step ends
 
 
-def _seats_closed(params, num_running):
-    """Nobody can be admitted: every seat or the whole budget is taken, or a static batch runs."""
-    return (params.static_batching | (num_running >= params.max_num_seqs)
-            | (params.max_num_batched_tokens <= num_running))
+class Gaps(NamedTuple):
+    """Inter-token gap statistics over the run."""
+
+    emitted: jnp.ndarray          # per slot: emitted a token at step 0 (the prefilling request: in the run)
+    first_token: jnp.ndarray      # per slot: that token was its first
+    max_gap: jnp.ndarray
+    sum_sq: jnp.ndarray
+    gap: jnp.ndarray              # since the last token, at the run's end
+    histogram: jnp.ndarray        # EngineState.itl_histogram with the run's gaps
 
 
-def _advance(trace, params, state, slots, tokens, cost_fn, num_slots, front_blocks=None):
+class Integrals(NamedTuple):
+    kv_block_seconds: jnp.ndarray
+    in_system_seconds: jnp.ndarray
+
+
+class Compacted(NamedTuple):
+    slots: Slots
+    num_running: jnp.ndarray
+    free_blocks: jnp.ndarray
+
+
+def _advance(trace, params, state, slots, tokens, cost_fn, num_slots, queue: "WaitingQueue", front_blocks):
     """Run the scheduled step, then the steps that follow it before any event.
 
     After the scheduled step (step 0) the next steps repeat its shape while every running request fits
@@ -1017,6 +1181,33 @@ def _advance(trace, params, state, slots, tokens, cost_fn, num_slots, front_bloc
     LOOKAHEAD_STEPS. With nothing scheduled (all `tokens` zero) it writes nothing to the request table or
     histogram.
     """
+    look = _look_ahead(params, state, slots, tokens, num_slots)
+    times = _step_times(params, cost_fn, look.batch)
+    run = _run_length(trace, params, state, slots, look, times, queue, front_blocks)
+    gaps = _gap_statistics(state, slots, look, times, run)
+    grown, finished = _grown(params, slots, look, run, gaps)
+    requests = _record_outcomes(trace, state, grown, look, run, gaps, finished)
+    state = queue.charge(params, state, slots, tokens, look, run, finished)
+    integrals = _kv_integral(params, state, slots.blocks, grown.blocks, look, times, run)
+    if trace.think is not None:
+        state = _release_next_calls(trace, state, grown.req, finished, finished, run.finish)
+    kept = _compaction(params, grown, look, run, finished, num_slots)
+    cutoff_hi, cutoff_lo = df_add(run.end[0], run.end[1], -times.durations[run.extra])
+    return replace(state,
+        clock_hi=run.end[0], clock_lo=run.end[1],
+        slots=kept.slots, num_running=kept.num_running, free_blocks=kept.free_blocks, requests=requests,
+        pipelined_now=params.pipelined, cutoff_hi=cutoff_hi, cutoff_lo=cutoff_lo,
+        steps=state.steps + run.steps,
+        scheduled_seqs=state.scheduled_seqs + jnp.sum(look.scheduled, dtype=i32)
+                       + jnp.sum(jnp.where(run.later_steps, look.members, 0)),
+        kv_block_seconds=state.kv_block_seconds + integrals.kv_block_seconds,
+        in_system_seconds=state.in_system_seconds + integrals.in_system_seconds,
+        itl_histogram=gaps.histogram,
+    )
+
+
+def _look_ahead(params, state, slots, tokens, num_slots) -> LookAhead:
+    """Step 0 as scheduled, and who takes part in each step after it, with what: the look-ahead."""
     pos = jnp.arange(num_slots, dtype=i32)
     running = pos < state.num_running
     scheduled = tokens > 0
@@ -1089,9 +1280,28 @@ def _advance(trace, params, state, slots, tokens, cost_fn, num_slots, front_bloc
                                         (contexts + j * decodes).astype(f32)
                                         + jnp.where(chunk_is_decode, prefill_context + 1, 0.0)),
     )
-    durations = jnp.broadcast_to(cost_fn(params.cost, batch), j.shape).astype(f32)
+    return LookAhead(
+        j=j, zero=zero, running=running, scheduled=scheduled, emits=emits0, computed=computed0, generated=generated0,
+        continues=continues, prefill_repeats=prefill_repeats, is_prefill=is_prefill, left_before=left_before,
+        decoder=decoder, left=left, decodes=decodes, seated=seated, held=held, need=need, lone=lone, chunk=chunk,
+        in_prefill=in_prefill, past_prefill=past_prefill, prefill_context=prefill_context,
+        chunk_is_decode=chunk_is_decode, prefill_blocks=prefill_blocks, members=members, batch=batch)
+
+
+def _step_times(params, cost_fn, batch: StepBatch) -> StepTimes:
+    """Every look-ahead step costed by the cost model at once."""
+    durations = jnp.broadcast_to(cost_fn(params.cost, batch), (LOOKAHEAD_STEPS,)).astype(f32)
     ends = jnp.cumsum(durations)
-    starts = ends - durations
+    return StepTimes(durations=durations, starts=ends - durations, ends=ends)
+
+
+def _run_length(trace, params, state, slots, look: LookAhead, times: StepTimes, queue: "WaitingQueue",
+                front_blocks) -> Run:
+    """The run: the look-ahead's steps up to the first event the scheduler acts on."""
+    zero = look.zero
+    budget = params.max_num_batched_tokens
+    num_running = state.num_running
+    durations, starts, ends = times
     next_hi, next_lo, next_exists = _next_arrival(trace, state)
     to_arrival = jnp.where(next_exists, df_sub(next_hi, next_lo, state.clock_hi, state.clock_lo), jnp.inf)
     to_horizon = df_sub(params.horizon_hi, params.horizon_lo, state.clock_hi, state.clock_lo)
@@ -1102,22 +1312,21 @@ def _advance(trace, params, state, slots, tokens, cost_fn, num_slots, front_bloc
     # run does not know of; a scored queue's tenant counters read every boundary with an open seat.
     # Async: the decision before step j sees arrivals up to step j - 1's start, and seats what step j - 1 completed.
     arrived = jnp.where(params.pipelined, jnp.concatenate([starts[:1], starts[:-1]]), starts) >= to_arrival
-    seat = ~_seats_closed(params, seated + in_prefill)
-    open_seat = seat & (decodes + jnp.where(in_prefill, chunk, 0) < budget)   # and budget left to admit with
+    seat = ~_seats_closed(params, look.seated + look.in_prefill)
+    open_seat = seat & (look.decodes + jnp.where(look.in_prefill, look.chunk, 0) < budget)   # and budget to admit with
     # An arrival that finds a lone prefill makes the threshold bind from the next step; one that meets a
     # queue limit is judged by the unfinished requests of its own boundary, which completions change.
     limited = params.max_num_queued_reqs < NO_LIMIT
     # An fcfs queue whose front needs more blocks (`front_blocks`, watermark included) than can be free admits
     # nobody, whatever arrives behind it: the requests in step j hold at least `held[j]`.
     front_waits = False if front_blocks is None else (
-        (state.queue_len > 0) & (params.usable_kv_blocks - held < front_blocks))
+        (state.queue_len > 0) & (params.usable_kv_blocks - look.held < front_blocks))
     admits = ((open_seat & ((state.queue_len > 0) | arrived) & ~front_waits)
-              | (arrived & ((lone & prefill_repeats) | limited)))
+              | (arrived & ((look.lone & look.prefill_repeats) | limited)))
     if trace.think is not None:
-        admits = admits | arrived | (members < num_running)
-    elif slots.rank is not None:
-        # (The counters' rule reads seats, not budget: _lift_rejoining_tenants.)
-        admits = admits | (seat & (arrived | (members < num_running)))
+        admits = admits | arrived | (look.members < num_running)
+    else:
+        admits = queue.ends_run(admits, seat, arrived, look.members, num_running)
     # Step j >= 1 needs blocks for computed0 + j tokens per decoder taking part (and the prefilling request's
     # so far). One with `spare` free token positions in its blocks gains new ones at steps
     # spare + 1, spare + 1 + block_size, ...: so the gains at step t are the first gains at t,
@@ -1125,121 +1334,162 @@ def _advance(trace, params, state, slots, tokens, cost_fn, num_slots, front_bloc
     # decoder's gains bounds the need of those taking part (some finish first); stopping where the bound
     # says is exact (the next iteration schedules that step in full) and only ends a run early when the
     # cache is nearly full.
-    spare = slots.blocks * params.block_size - computed0
-    first_gain = jnp.zeros(LOOKAHEAD_STEPS, i32).at[jnp.where(decoder, spare + 1, LOOKAHEAD_STEPS)].add(1, mode="drop")
-    need_bound = held + jnp.cumsum(_strided_sums(first_gain, params.block_size))
-    repeatable = zero | (continues & (members > 0) & ~admits & ~past_prefill & (starts < to_horizon)
+    spare = slots.blocks * params.block_size - look.computed
+    first_gain = jnp.zeros(LOOKAHEAD_STEPS, i32).at[jnp.where(look.decoder, spare + 1, LOOKAHEAD_STEPS)].add(
+        1, mode="drop")
+    need_bound = look.held + jnp.cumsum(_strided_sums(first_gain, params.block_size))
+    repeatable = zero | (look.continues & (look.members > 0) & ~admits & ~look.past_prefill & (starts < to_horizon)
                          & (need_bound <= params.usable_kv_blocks))
     run = _prefix_and(repeatable)
     k = jnp.sum(run, dtype=i32)
     extra = k - 1
     total = ends[extra]
     later_steps = run & ~zero
-    prefilled = jnp.sum(jnp.where(later_steps, chunk, 0))
-    prefill_emits = prefill_repeats & (extra > 0) & (prefilled == need)   # its last chunk was step `extra`
-    first_end = df_add(state.clock_hi, state.clock_lo, durations[0])
-    end_hi, end_lo = df_add(state.clock_hi, state.clock_lo, total)
-    grow = jnp.where(decoder, jnp.minimum(left, extra), 0)   # the decode steps after step 0 each takes
-    through = jnp.where(is_prefill, extra, grow)              # the last step each takes part in
-    finish_hi, finish_lo = df_add(state.clock_hi, state.clock_lo, ends[through])
+    prefilled = jnp.sum(jnp.where(later_steps, look.chunk, 0))
+    grow = jnp.where(look.decoder, jnp.minimum(look.left, extra), 0)
+    through = jnp.where(look.is_prefill, extra, grow)
+    return Run(
+        mask=run, steps=k, extra=extra, total=total, later_steps=later_steps, prefilled=prefilled,
+        prefill_emits=look.prefill_repeats & (extra > 0) & (prefilled == look.need),   # its last chunk was in it
+        grow=grow, through=through, spare=spare,
+        first_end=df_add(state.clock_hi, state.clock_lo, durations[0]),
+        end=df_add(state.clock_hi, state.clock_lo, total),
+        finish=df_add(state.clock_hi, state.clock_lo, ends[through]),
+    )
 
-    # Inter-token gaps: at step 0 for requests that emit and had emitted before, and at the prefilling
-    # request's last chunk; at step 1 for every decoder taking part; from step 2 on, each step's duration,
-    # once per decoder taking part.
+
+def _gap_statistics(state, slots, look: LookAhead, times: StepTimes, run: Run) -> Gaps:
+    """Inter-token gaps: at step 0 for requests that emit and had emitted before, and at the prefilling
+    request's last chunk; at step 1 for every decoder taking part; from step 2 on, each step's duration,
+    once per decoder taking part."""
+    j = look.j
+    durations = times.durations
+    is_prefill = look.is_prefill
     had_token = slots.generated >= 1
-    gap0 = jnp.where(emits0, 0.0, slots.gap + durations[0])
-    emitted = (emits0 & ~is_prefill) | (is_prefill & prefill_emits)
-    sample0 = slots.gap + jnp.where(is_prefill, total, durations[0])   # prefilling: the whole run
+    gap0 = jnp.where(look.emits, 0.0, slots.gap + durations[0])
+    emitted = (look.emits & ~is_prefill) | (is_prefill & run.prefill_emits)
+    sample0 = slots.gap + jnp.where(is_prefill, run.total, durations[0])   # prefilling: the whole run
     weight0 = (emitted & had_token).astype(i32)
     sample1 = gap0 + durations[1]
-    weight1 = (grow > 0).astype(i32)
-    from_two = (j >= 2) & run
+    weight1 = (run.grow > 0).astype(i32)
+    from_two = (j >= 2) & run.mask
     later = jnp.where(from_two, durations, 0.0)
-    max_rest, sq_rest = jax.lax.cummax(later)[grow], jnp.cumsum(later * later)[grow]
+    max_rest, sq_rest = jax.lax.cummax(later)[run.grow], jnp.cumsum(later * later)[run.grow]
     max_gap = jnp.where(weight0 > 0, jnp.maximum(slots.max_gap, sample0), slots.max_gap)
     max_gap = jnp.where(weight1 > 0, jnp.maximum(max_gap, jnp.maximum(sample1, max_rest)), max_gap)
     sum_sq = (slots.sum_sq_gap + jnp.where(weight0 > 0, sample0 * sample0, 0.0)
               + jnp.where(weight1 > 0, sample1 * sample1 + sq_rest, 0.0))
     hist = state.itl_histogram.at[_itl_bin(sample0)].add(weight0)
     hist = hist.at[_itl_bin(sample1)].add(weight1)
-    hist = hist.at[_itl_bin(durations)].add(jnp.where(from_two, decodes, 0))
+    hist = hist.at[_itl_bin(durations)].add(jnp.where(from_two, look.decodes, 0))
+    gap = jnp.where(is_prefill, jnp.where(run.prefill_emits, 0.0, sample0), jnp.where(run.grow > 0, 0.0, gap0))
+    return Gaps(emitted=emitted, first_token=emitted & ~had_token, max_gap=max_gap, sum_sq=sum_sq, gap=gap,
+                histogram=hist)
 
-    prefill_tokens = jnp.where(is_prefill, prefilled, 0)
-    computed = computed0 + grow + prefill_tokens
-    generated = generated0 + grow + (is_prefill & prefill_emits)
+
+def _grown(params, slots, look: LookAhead, run: Run, gaps: Gaps) -> tuple[Slots, jnp.ndarray]:
+    """The slots after the run (not yet compacted), and which requests it completed."""
+    prefill_tokens = jnp.where(look.is_prefill, run.prefilled, 0)
+    computed = look.computed + run.grow + prefill_tokens
+    generated = look.generated + run.grow + (look.is_prefill & run.prefill_emits)
     blocks0 = slots.blocks
-    blocks = jnp.where((grow > 0) | is_prefill, jnp.maximum(blocks0, _ceil_div(computed, params.block_size)), blocks0)
-    finished = running & ~left_before & (generated >= slots.output)
-    gap = jnp.where(is_prefill, jnp.where(prefill_emits, 0.0, sample0), jnp.where(grow > 0, 0.0, gap0))
-    slots = replace(slots,
-        computed=computed, generated=generated, blocks=blocks,
-        gap=gap, max_gap=max_gap, sum_sq_gap=sum_sq)
+    blocks = jnp.where((run.grow > 0) | look.is_prefill, jnp.maximum(blocks0, _ceil_div(computed, params.block_size)),
+                       blocks0)
+    finished = look.running & ~look.left_before & (generated >= slots.output)
+    return replace(slots, computed=computed, generated=generated, blocks=blocks,
+                   gap=gaps.gap, max_gap=gaps.max_gap, sum_sq_gap=gaps.sum_sq), finished
 
+
+def _record_outcomes(trace, state, slots, look: LookAhead, run: Run, gaps: Gaps, finished) -> Requests:
+    """The request table with the run's first tokens (TTFT) and completions."""
     req = state.requests
     arrival_hi, arrival_lo = _arrival_of(trace, state, slots.req)
-    first_token = emitted & ~had_token
-    token_hi = jnp.where(is_prefill, finish_hi, first_end[0])
-    token_lo = jnp.where(is_prefill, finish_lo, first_end[1])
-    req = replace(req,
-        ttft=_set_where(req.ttft, slots.req, df_sub(token_hi, token_lo, arrival_hi, arrival_lo), first_token),
-        e2el=_set_where(req.e2el, slots.req, df_sub(finish_hi, finish_lo, arrival_hi, arrival_lo), finished),
+    token_hi = jnp.where(look.is_prefill, run.finish[0], run.first_end[0])
+    token_lo = jnp.where(look.is_prefill, run.finish[1], run.first_end[1])
+    return replace(req,
+        ttft=_set_where(req.ttft, slots.req, df_sub(token_hi, token_lo, arrival_hi, arrival_lo), gaps.first_token),
+        e2el=_set_where(req.e2el, slots.req, df_sub(run.finish[0], run.finish[1], arrival_hi, arrival_lo), finished),
         status=_set_where(req.status, slots.req, COMPLETED, finished),
-        generated=_set_where(req.generated, slots.req, generated, finished),
-        max_gap=_set_where(req.max_gap, slots.req, max_gap, finished),
-        sum_sq_gap=_set_where(req.sum_sq_gap, slots.req, sum_sq, finished),
+        generated=_set_where(req.generated, slots.req, slots.generated, finished),
+        max_gap=_set_where(req.max_gap, slots.req, slots.max_gap, finished),
+        sum_sq_gap=_set_where(req.sum_sq_gap, slots.req, slots.sum_sq_gap, finished),
     )
 
-    if slots.rank is not None:
-        is_decode0 = scheduled & (tokens == 1) & had_token
-        chunk_service = jnp.sum(jnp.where(later_steps & in_prefill,
-                                          jnp.where(chunk_is_decode, DECODE_TOKEN_WEIGHT, PREFILL_TOKEN_WEIGHT * chunk), 0))
-        service = (jnp.where(is_decode0, DECODE_TOKEN_WEIGHT, PREFILL_TOKEN_WEIGHT * tokens)
-                   + DECODE_TOKEN_WEIGHT * grow + jnp.where(is_prefill, chunk_service, 0))
-        # A request the last step completes is still in the system for the next (async) decision.
-        in_system_still = params.pipelined & (through == extra)
-        state = replace(state,
-            tenant_tokens=state.tenant_tokens.at[slots.tenant].add(jnp.where(running, service, 0)),
-            tenant_in_system=state.tenant_in_system.at[slots.tenant].add(-(finished & ~in_system_still).astype(i32)),
-        )
 
-    # Integrals over each step use the state after its allocation and before completions free anything.
-    # A request holding b blocks at step 0 that gains its m-th new one at step t_m = spare + 1 + (m - 1) x
-    # block_size holds, over steps 0..through, b x ends[through] + the sum over m of (ends[through] -
-    # ends[t_m - 1]) block-seconds; the ends at t_m - 1 are a strided sum, read off `strided` (strided[x] =
-    # the sum of ends[x], ends[x - block_size], ...).
+def _kv_integral(params, state, blocks0, blocks, look: LookAhead, times: StepTimes, run: Run) -> Integrals:
+    """Integrals over each step use the state after its allocation and before completions free anything.
+
+    A request holding b blocks at step 0 that gains its m-th new one at step t_m = spare + 1 + (m - 1) x
+    block_size holds, over steps 0..through, b x ends[through] + the sum over m of (ends[through] -
+    ends[t_m - 1]) block-seconds; the ends at t_m - 1 are a strided sum, read off `strided` (strided[x] =
+    the sum of ends[x], ends[x - block_size], ...).
+    """
+    zero = look.zero
+    durations, ends = times.durations, times.ends
     new_blocks = blocks - blocks0
     strided = _strided_sums(ends, params.block_size)
-    last_gain = jnp.clip(spare + (new_blocks - 1) * params.block_size, 0, LOOKAHEAD_STEPS - 1)
-    before_first = spare - params.block_size
+    last_gain = jnp.clip(run.spare + (new_blocks - 1) * params.block_size, 0, LOOKAHEAD_STEPS - 1)
+    before_first = run.spare - params.block_size
     gained_at = (strided[last_gain]
                  - jnp.where(before_first >= 0, strided[jnp.clip(before_first, 0, LOOKAHEAD_STEPS - 1)], 0.0))
-    block_seconds = blocks.astype(f32) * ends[through] - jnp.where(new_blocks > 0, gained_at, 0.0)
-    prefill_block_seconds = jnp.sum(jnp.where(run, prefill_blocks.astype(f32) * durations, 0.0))
-    block_seconds = jnp.where(is_prefill, prefill_block_seconds, block_seconds)
-    kv_seconds = jnp.sum(jnp.where(running & ~left_before, block_seconds, 0.0))
-    in_step = jnp.where(zero, num_running - jnp.sum(left_before, dtype=i32), members)
-    in_system = (state.queue_len.astype(f32) * total
-                 + jnp.sum(jnp.where(run, in_step.astype(f32) * durations, 0.0)))
+    block_seconds = blocks.astype(f32) * ends[run.through] - jnp.where(new_blocks > 0, gained_at, 0.0)
+    prefill_block_seconds = jnp.sum(jnp.where(run.mask, look.prefill_blocks.astype(f32) * durations, 0.0))
+    block_seconds = jnp.where(look.is_prefill, prefill_block_seconds, block_seconds)
+    kv_seconds = jnp.sum(jnp.where(look.running & ~look.left_before, block_seconds, 0.0))
+    in_step = jnp.where(zero, state.num_running - jnp.sum(look.left_before, dtype=i32), look.members)
+    in_system = (state.queue_len.astype(f32) * run.total
+                 + jnp.sum(jnp.where(run.mask, in_step.astype(f32) * durations, 0.0)))
+    return Integrals(kv_block_seconds=kv_seconds, in_system_seconds=in_system)
 
-    # Compact: drop finished requests, keep admission order. Async: those the last step completed stay seated
-    # for the next boundary's decision, which was taken as that step started.
-    leaving = finished & params.pipelined & (through == extra)
-    keep = running & ~left_before & (~finished | leaving)
-    if trace.think is not None:
-        state = _release_next_calls(trace, state, slots.req, finished, finished, (finish_hi, finish_lo))
-    slots, _ = _kept_slots(replace(slots, leaving=leaving), keep, num_slots)
-    cutoff_hi, cutoff_lo = df_add(end_hi, end_lo, -durations[extra])
-    return replace(state,
-        clock_hi=end_hi, clock_lo=end_lo,
-        slots=slots, num_running=jnp.sum(keep, dtype=i32),
-        free_blocks=params.usable_kv_blocks - jnp.sum(jnp.where(keep, blocks, 0)), requests=req,
-        pipelined_now=params.pipelined, cutoff_hi=cutoff_hi, cutoff_lo=cutoff_lo,
-        steps=state.steps + k,
-        scheduled_seqs=state.scheduled_seqs + jnp.sum(scheduled, dtype=i32) + jnp.sum(jnp.where(later_steps, members, 0)),
-        kv_block_seconds=state.kv_block_seconds + kv_seconds,
-        in_system_seconds=state.in_system_seconds + in_system,
-        itl_histogram=hist,
+
+def _compaction(params, slots, look: LookAhead, run: Run, finished, num_slots) -> Compacted:
+    """Drop finished requests, keep admission order. Async: those the last step completed stay seated for
+    the next boundary's decision, which was taken as that step started."""
+    leaving = finished & params.pipelined & (run.through == run.extra)
+    keep = look.running & ~look.left_before & (~finished | leaving)
+    kept, _ = _kept_slots(replace(slots, leaving=leaving), keep, num_slots)
+    return Compacted(slots=kept, num_running=jnp.sum(keep, dtype=i32),
+                     free_blocks=params.usable_kv_blocks - jnp.sum(jnp.where(keep, slots.blocks, 0)))
+
+
+def _batch_summary(slots: Slots, tokens):
+    """The StepBatch of the scheduled step, and which scheduled requests count as decodes."""
+    scheduled = tokens > 0
+    is_decode = scheduled & (tokens == 1) & (slots.generated >= 1)
+    is_prefill = scheduled & ~is_decode
+    c = slots.computed.astype(f32)
+    q = tokens.astype(f32)
+    return StepBatch(
+        num_prefill_seqs=jnp.sum(is_prefill).astype(f32),
+        prefill_tokens=jnp.sum(jnp.where(is_prefill, q, 0.0)),
+        prefill_context_tokens=jnp.sum(jnp.where(is_prefill, c + q, 0.0)),
+        prefill_attention_pairs=jnp.sum(jnp.where(is_prefill, q * (c + q / 2), 0.0)),
+        num_decode_seqs=jnp.sum(is_decode).astype(f32),
+        decode_context_tokens=jnp.sum(jnp.where(is_decode, c + 1, 0.0)),
     )
+
+
+def _suffix_sums(x):
+    """Along axis 0: entry j is the sum of entries j, j + 1, ..."""
+    return jnp.cumsum(x[::-1], axis=0)[::-1]
+
+
+def _strided_sums(x, stride):
+    """out[t] = x[t] + x[t - stride] + x[t - 2 stride] + ... (a traced stride >= 1), by doubling: after
+    round r each entry holds 2**r terms. (A mask over all pairs costs length**2 per call.)"""
+    n = x.shape[0]
+    shift = stride
+    for _ in range(max(1, n - 1).bit_length()):
+        padded = jnp.concatenate([jnp.zeros(n, x.dtype), x])
+        x = x + jax.lax.dynamic_slice(padded, (n - jnp.minimum(shift, n),), (n,))
+        shift = shift * 2
+    return x
+
+
+def _seats_closed(params, num_running):
+    """Nobody can be admitted: every seat or the whole budget is taken, or a static batch runs."""
+    return (params.static_batching | (num_running >= params.max_num_seqs)
+            | (params.max_num_batched_tokens <= num_running))
 
 
 def _idle(trace, params, state, timeout):
@@ -1280,8 +1530,9 @@ def _choose(pred, if_true: EngineState, if_false: EngineState) -> EngineState:
     return replace(if_true, **small)
 
 
-def _flush_running(state: EngineState) -> EngineState:
-    """Requests still running when the run stops keep what they emitted (they are unfinished)."""
+def flush_running(state: EngineState) -> EngineState:
+    """The request table as if the run stopped now: requests still running keep what they emitted (they are
+    unfinished)."""
     s = state.slots
     running = jnp.arange(s.req.shape[0]) < state.num_running
     req = state.requests
@@ -1303,10 +1554,10 @@ def run(trace: Trace, params: EngineParams, cost_fn: Callable, num_slots: int,
     state = init_state(trace, params, num_slots, queue_shape)
     state = jax.lax.while_loop(
         lambda s: _live(s, params),
-        lambda s: _iteration(trace, params, s, cost_fn, num_slots, queue_shape is not None),
+        lambda s: _iteration(trace, params, s, cost_fn, num_slots, waiting_queue(queue_shape)),
         state,
     )
-    return _flush_running(state)
+    return flush_running(state)
 
 
 def run_from(trace: Trace, params: EngineParams, state: EngineState, cost_fn: Callable, num_slots: int,
@@ -1318,7 +1569,7 @@ def run_from(trace: Trace, params: EngineParams, state: EngineState, cost_fn: Ca
     state = replace(state, ended=jnp.asarray(False))
     return jax.lax.while_loop(
         lambda s: _live(s, params),
-        lambda s: _iteration(trace, params, s, cost_fn, num_slots, queue_shape is not None),
+        lambda s: _iteration(trace, params, s, cost_fn, num_slots, waiting_queue(queue_shape)),
         state,
     )
 
@@ -1369,7 +1620,7 @@ def interval_runner(cost_fn: Callable, num_slots: int, queue_shape: Optional[Que
     ``run_batched``, instead of JAX selecting every run's whole carry on every iteration. An ended run's
     iteration writes nothing, so each run ends exactly where its own ``run_from`` would. Either way an
     interval runs on a small slot table first (`_small_table_first`)."""
-    scored = queue_shape is not None
+    queue = waiting_queue(queue_shape)
 
     @custom_vmap
     def run(trace, params, state):
@@ -1386,7 +1637,7 @@ def interval_runner(cost_fn: Callable, num_slots: int, queue_shape: Optional[Que
         state = replace(state, ended=jnp.zeros_like(state.ended))
 
         def loop(state, slots):
-            return _while_any_live(lambda p, one, t: _iteration(t, p, one, cost_fn, slots, scored),
+            return _while_any_live(lambda p, one, t: _iteration(t, p, one, cost_fn, slots, queue),
                                    params, state, trace)
 
         out = _small_table_first(loop, state, num_slots)
@@ -1405,11 +1656,6 @@ def _while_any_live(iteration: Callable, params, state, trace=None):
     )
 
 
-def flush_running(state: EngineState) -> EngineState:
-    """The request table as if the run stopped now: running requests keep what they emitted."""
-    return _flush_running(state)
-
-
 def run_batched(trace: Trace, params: EngineParams, cost_fn: Callable, num_slots: int,
                 queue_shape: Optional[QueueShape] = None) -> EngineState:
     """Many configs (params with a leading axis) over one workload.
@@ -1419,9 +1665,9 @@ def run_batched(trace: Trace, params: EngineParams, cost_fn: Callable, num_slots
     iteration.) An ended config's iteration writes nothing: `_iteration` gates every update on it.
     """
     state = jax.vmap(lambda p: init_state(trace, p, num_slots, queue_shape))(params)
-    scored = queue_shape is not None
-    state = _while_any_live(lambda p, one, _: _iteration(trace, p, one, cost_fn, num_slots, scored), params, state)
-    return jax.vmap(_flush_running)(state)
+    queue = waiting_queue(queue_shape)
+    state = _while_any_live(lambda p, one, _: _iteration(trace, p, one, cost_fn, num_slots, queue), params, state)
+    return jax.vmap(flush_running)(state)
 
 
 @partial(jax.jit, static_argnames=("cost_fn", "num_slots", "queue_shape"))
