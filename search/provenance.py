@@ -101,7 +101,34 @@ def content_data(config: Config) -> dict:
         found = next((file for file in (_existing_file(name, place) for name, place in places) if file), None)
         return path if found is None else CONTENT_PREFIX + hashlib.sha256(found.read_bytes()).hexdigest()
 
-    return _map_file_fields(_plain_data(config), content)
+    return _without_later_fields_at_default(_map_file_fields(_plain_data(config), content))
+
+
+# Fields added to the workload's sections after hashes were first recorded (vllm bench serve's arrivals and
+# datasets, the column mapping of a request log). At their defaults they change nothing, so they enter the hash
+# only when set: studies and policy files made before they existed keep their hashes.
+_LATER_FIELDS = {
+    "arrivals": ("request_rate", "burstiness", "ramp_up", "columns", "timestamp_unit"),
+    "lengths": ("name", "input_len", "output_len", "range_ratio", "tokenizer"),
+}
+
+
+def _without_later_fields_at_default(data):
+    from servetune.config import ArrivalsConfig, LengthsConfig
+
+    defaults = {"arrivals": ArrivalsConfig(), "lengths": LengthsConfig()}
+    if isinstance(data, list):
+        return [_without_later_fields_at_default(item) for item in data]
+    if not isinstance(data, dict):
+        return data
+    out = {}
+    for key, value in data.items():
+        value = _without_later_fields_at_default(value)
+        if key in _LATER_FIELDS and isinstance(value, dict):
+            value = {name: item for name, item in value.items()
+                     if not (name in _LATER_FIELDS[key] and item == getattr(defaults[key], name))}
+        out[key] = value
+    return out
 
 
 def config_hash(config: Config) -> str:
