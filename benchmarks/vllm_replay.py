@@ -58,7 +58,8 @@ def requests_log(outcome: SimulationOutcome) -> list[dict]:
 
 def replay_reference(case: dict) -> dict:
     """The case served by the reference simulator, as a log in the recorder's format."""
-    outcome, _, steps = simulate_reference_detailed(workload_of(case), scheduler_of(case), step_time_s, cost_of(case))
+    outcome, _, _, steps = simulate_reference_detailed(workload_of(case), scheduler_of(case), step_time_s,
+                                                       cost_of(case))
     return {"name": case["name"],
             "steps": [{"start_s": s.start_s, "end_s": s.end_s, "tokens": [list(t) for t in s.tokens],
                        "preempted": list(s.preempted)} for s in steps],

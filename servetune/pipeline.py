@@ -128,17 +128,16 @@ def request_itls(report: RunReport) -> list[list[float]]:
     import jax
     import numpy as np
 
-    from servetune.envs.sim.reference import simulate_reference_request_gaps
+    from servetune.envs.sim.reference import simulate_reference_detailed
 
     config, workload = report.config, report.workload
     cost_fn, cost_params = build_cost_model(config)
     cost_params = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), cost_params)
     jitted = jax.jit(cost_fn)   # one compile, then a cheap call per step (eager JAX would dispatch every op)
     slos = per_request_slos(config, workload)
-    _, gaps = simulate_reference_request_gaps(
+    return simulate_reference_detailed(
         workload, config.scheduler, lambda params, batch: float(jitted(params, batch)), cost_params,
-        config.simulation.horizon_s, slos.ttft_ms, rate_limited(workload, config.workload.tenants))
-    return gaps
+        config.simulation.horizon_s, slos.ttft_ms, rate_limited(workload, config.workload.tenants)).request_gaps
 
 
 def run_document(report: RunReport, *, percentiles: Sequence[float] = DEFAULT_PERCENTILES,

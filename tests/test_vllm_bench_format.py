@@ -17,7 +17,7 @@ from servetune.config import SloConfig, WorkloadConfig
 from servetune.cost_models.linear import step_time_s
 from servetune.envs.bench_result import read_bench_result
 from servetune.envs.metrics import compute_metrics
-from servetune.envs.sim.reference import simulate_reference_request_gaps
+from servetune.envs.sim.reference import simulate_reference_detailed
 from servetune.envs.vllm_format import vllm_result
 from servetune.envs.workload.requests import Workload
 
@@ -208,7 +208,8 @@ def test_values_against_a_hand_computed_timeline():
     cost = linear(0.1, per_token=0.01)
     # TTFT SLO 250 ms (R0 meets it, R1 and R2 at 300 ms do not); ITL SLO 100 ms, which R0's 110 ms gaps miss.
     slo = SloConfig(ttft_ms=250, itl_ms=100)
-    outcome, gaps = simulate_reference_request_gaps(workload, scheduler, step_time_s, cost)
+    detail = simulate_reference_detailed(workload, scheduler, step_time_s, cost)
+    outcome, gaps = detail.outcome, detail.request_gaps
     slos = uniform_slos(slo, workload.num_requests)
     metrics = compute_metrics(workload, outcome, slos, 8192, percentiles=(50.0, 99.9))
     result = vllm_result(workload, outcome, metrics, workload_config=WorkloadConfig(), slo=slo, model_id="m",

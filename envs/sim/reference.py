@@ -15,7 +15,7 @@ import heapq
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 
@@ -66,6 +66,14 @@ def simulate_reference(
     return engine.outcome()
 
 
+class ReferenceDetail(NamedTuple):
+    """A reference run with what the outcome only summarises."""
+    outcome: SimulationOutcome
+    gaps: np.ndarray                   # every inter-token gap, in emission order (float64 seconds)
+    request_gaps: list[list[float]]    # each request's own gaps, in workload order (empty below two tokens)
+    steps: list["StepRecord"]          # the schedule: one record per step that scheduled or preempted anything
+
+
 def simulate_reference_detailed(
     workload: Workload,
     scheduler: SchedulerConfig,
@@ -74,33 +82,15 @@ def simulate_reference_detailed(
     horizon_s: Optional[float] = None,
     ttft_slo_ms: Optional[np.ndarray] = None,
     rate_limited: Optional[np.ndarray] = None,
-) -> tuple[SimulationOutcome, np.ndarray, list["StepRecord"]]:
-    """Like ``simulate_reference``, plus every inter-token gap in emission order (float64 seconds) and the
-    schedule itself, one ``StepRecord`` per step that scheduled or preempted anything.
-
-    The outcome only keeps the gaps as a histogram; tests use the exact list to check pooled ITL metrics,
-    and the schedule to compare with vLLM's recorded one step for step.
+) -> ReferenceDetail:
+    """Like ``simulate_reference``, plus the gaps and the schedule themselves. The outcome keeps the gaps only
+    as a histogram and each request's largest; ``servetune simulate --save-detailed`` writes each request's
+    gaps as vLLM's ``itls``, and the parity replay compares the schedule with vLLM's recorded one step for step.
     """
     engine = _Engine(workload, scheduler, cost_fn, cost_params, horizon_s, ttft_slo_ms, rate_limited)
     engine.run()
-    return engine.outcome(), np.asarray(engine.gaps, dtype=np.float64), engine.step_log
-
-
-def simulate_reference_request_gaps(
-    workload: Workload,
-    scheduler: SchedulerConfig,
-    cost_fn: CostFn,
-    cost_params,
-    horizon_s: Optional[float] = None,
-    ttft_slo_ms: Optional[np.ndarray] = None,
-    rate_limited: Optional[np.ndarray] = None,
-) -> tuple[SimulationOutcome, list[list[float]]]:
-    """Like ``simulate_reference``, plus each request's own inter-token gaps in emission order (float64
-    seconds; empty below two tokens), in workload order: what ``servetune simulate --save-detailed`` writes as
-    vLLM's per-request ``itls`` (the JAX engine keeps only each request's largest gap and a pooled histogram)."""
-    engine = _Engine(workload, scheduler, cost_fn, cost_params, horizon_s, ttft_slo_ms, rate_limited)
-    engine.run()
-    return engine.outcome(), [r.gaps for r in engine.requests]
+    return ReferenceDetail(engine.outcome(), np.asarray(engine.gaps, dtype=np.float64),
+                           [request.gaps for request in engine.requests], engine.step_log)
 
 
 @dataclass(frozen=True)
@@ -140,7 +130,7 @@ class _Request:
     preemptions: int = 0
     max_itl_s: float = math.nan
     itl_sum_sq_s2: float = 0.0
-    gaps: list = field(default_factory=list)   # its inter-token gaps, in order (simulate_reference_request_gaps)
+    gaps: list = field(default_factory=list)   # its inter-token gaps, in order (simulate_reference_detailed)
     placeholders: int = 0          # async: output tokens of steps in flight, counted before they are delivered
     stale: int = 0                 # steps in flight when it was preempted, whose output still arrives ...
     stale_tokens: int = 0          # ... and the tokens they emit
