@@ -86,6 +86,24 @@ def parse_json(text: str, path, expected: str):
                         f"deep), expected {expected}") from None
 
 
+def parse_json_lines(path, text: str, expected: str):
+    """(where, the object) per non-blank line of a JSONL file, each line a JSON object (``expected`` says what
+    it should hold); a TraceError naming the line otherwise."""
+    for line_number, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}: line {line_number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise TraceError(f"{where}: column {error.colno}: not valid JSON ({error.msg}); expected one JSON "
+                             "object per line") from None
+        except (ValueError, RecursionError):
+            raise TraceError(f"{where}: not a readable JSON object; expected one JSON object per line") from None
+        if type(record) is not dict:
+            raise TraceError(f"{where}: got {show_json(record)}, expected {expected}")
+        yield where, record
+
 # --- showing a bad value in a message ------------------------------------------------------------------------
 # One line whatever the value holds, cut to SHOWN_CHARS so that a runaway value still gives a readable message.
 

@@ -46,7 +46,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from servetune.config import MAX_TOKEN_COUNT, LengthsConfig
-from servetune.errors import ConfigError, TraceError, reading_user_file, show_json, show_text
+from servetune.errors import ConfigError, TraceError, parse_json_lines, reading_user_file, show_json, show_text
 
 # ~4 characters of English text per token: OpenAI's rule of thumb ("1 token ~= 4 chars in English",
 # https://help.openai.com/en/articles/4936856-what-are-tokens-and-how-to-count-them): a rough figure for other
@@ -334,19 +334,7 @@ def _custom_lines(key: tuple[str, int, int]) -> tuple[tuple[str, Optional[int], 
     path = Path(key[0])
     text = _read_text(path, "custom dataset", "a JSONL file of {\"prompt\": ..., \"output_tokens\": ...} lines")
     items = []
-    for line_number, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}: line {line_number}"
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise TraceError(f"{where}: column {error.colno}: not valid JSON ({error.msg}); expected one JSON "
-                             "object per line") from None
-        except (ValueError, RecursionError):
-            raise TraceError(f"{where}: not a readable JSON object; expected one JSON object per line") from None
-        if type(item) is not dict:
-            raise TraceError(f"{where}: got {show_json(item)}, expected a JSON object with a \"prompt\"")
+    for where, item in parse_json_lines(path, text, "a JSON object with a \"prompt\""):
         if type(item.get("prompt")) is not str:
             raise TraceError(f"{where}: prompt: got {show_json(item.get('prompt'))}, expected the prompt's text "
                              "(vLLM's custom dataset needs a \"prompt\" in every line)")

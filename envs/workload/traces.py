@@ -43,7 +43,7 @@ import numpy as np
 
 from servetune.config import MAX_CLOCK_S, MAX_TOKEN_COUNT
 from servetune.envs.workload.requests import NO_PREFIX, Workload
-from servetune.errors import TraceError, reading_user_file, shorten, show_json, show_text
+from servetune.errors import TraceError, parse_json_lines, reading_user_file, shorten, show_json, show_text
 
 Timestamp = Union[int, float]
 
@@ -547,20 +547,7 @@ def _column_records(path: Path, text: str, names: tuple[str, ...]):
     a JSONL file (one object per line holding the keys, others ignored): JSONL when its first character that
     is not blank is ``{``."""
     if text.lstrip()[:1] == "{":
-        for line_number, line in enumerate(text.split("\n"), start=1):
-            if not line.strip():
-                continue
-            where = f"{path}: line {line_number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise TraceError(f"{where}: column {error.colno}: not valid JSON ({error.msg}); expected one JSON "
-                                 "object per line") from None
-            except (ValueError, RecursionError):
-                raise TraceError(f"{where}: not a readable JSON object; expected one JSON object per line") from None
-            if type(record) is not dict:
-                raise TraceError(f"{where}: got {show_json(record)}, expected a JSON object with the keys "
-                                 f"{', '.join(names)}")
+        for where, record in parse_json_lines(path, text, f"a JSON object with the keys {', '.join(names)}"):
             for name in names:
                 if name not in record:
                     raise TraceError(f"{where}: {name}: missing, expected a key {name!r} in every line (from "
