@@ -525,7 +525,7 @@ def initial_calibration(config: Config, initial: Optional[str]) -> tuple[Calibra
 
 def run_calibrate_bench(args) -> int:
     """``servetune calibrate --bench FILE --config CFG --out PROFILE``: the body of the command, called by
-    ``servetune.cost_models.cli`` once the flags are known to be --bench's."""
+    ``servetune.cost_cli`` once the flags are known to be --bench's."""
     import json
 
     from rich import box

@@ -16,7 +16,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from servetune.cli_args import add_config_arguments
-from servetune.cost_models import cli as cost_cli
+from servetune import cost_cli
 from servetune.errors import UserError
 from servetune.paths import check_output_file
 from servetune.search import cli as search_cli

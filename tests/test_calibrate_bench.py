@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from servetune.config_loader import load_config
-from servetune.cost_models.cli import register
+from servetune.cost_cli import register
 from servetune.cost_models.profile import load_profile, write_profile
 from servetune.cost_models.roofline import Calibration
 from servetune.envs.bench_result import read_bench_result

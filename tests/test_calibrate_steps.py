@@ -12,7 +12,7 @@ from servetune.config import Config, CostModelConfig, HardwareConfig
 from servetune.cost_models import calibrate as cal
 from servetune.cost_models import calibrate_steps as cs
 from servetune.cost_models.catalog import resolve_gpu, resolve_model
-from servetune.cost_models.cli import register
+from servetune.cost_cli import register
 from servetune.cost_models.factory import build_cost_model
 from servetune.cost_models.profile import load_profile, shipped_profile_for, shipped_profile_gpus
 from servetune.cost_models.roofline import Calibration

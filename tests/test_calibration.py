@@ -11,7 +11,7 @@ import pytest
 
 from servetune.cost_models import calibrate as cal
 from servetune.cost_models.catalog import resolve_gpu, resolve_model
-from servetune.cost_models.cli import register
+from servetune.cost_cli import register
 from servetune.cost_models.profile import find_profile, load_profile, shipped_profiles, write_profile
 from servetune.cost_models.roofline import Calibration, build_roofline_params, host_overhead_s, step_time_s
 from servetune.errors import UserError

@@ -14,7 +14,7 @@ import pytest
 from servetune.config import Config, CostModelConfig, HardwareConfig, SchedulerConfig
 from servetune.cost_models import linear
 from servetune.cost_models.catalog import resolve_gpu, resolve_model
-from servetune.cost_models.cli import register
+from servetune.cost_cli import register
 from servetune.cost_models.factory import build_cost_model, derive_num_kv_blocks
 from servetune.cost_models.gpus import GIB, GPUS
 from servetune.cost_models.memory import NON_TORCH_RESERVE_BYTES, kv_capacity

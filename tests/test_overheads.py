@@ -14,7 +14,7 @@ import pytest
 
 from servetune.cost_models import calibrate as cal
 from servetune.cost_models.catalog import resolve_gpu, resolve_model
-from servetune.cost_models.cli import register
+from servetune.cost_cli import register
 from servetune.cost_models.profile import REQUIRED_FIELDS, load_profile, shipped_profiles, write_profile
 from servetune.cost_models.roofline import (HOST_PHASES, KERNELS_PER_LAYER, KERNELS_PER_STEP, Calibration,
                                             allreduce_time_s, build_roofline_params, host_overhead_s,
