@@ -453,8 +453,12 @@ def run_models(args: argparse.Namespace) -> int:
 def measured_profiles() -> dict[str, str]:
     """GPU name -> file name of the shipped calibrated profile measured on it. Read as plain JSON, without the
     profile module (which needs JAX), so that ``servetune gpus`` starts fast."""
+    import importlib.util
+
+    # the package's folder, found without importing it (its profile module needs JAX)
+    cost_models_dir = Path(importlib.util.find_spec("servetune.cost_models").submodule_search_locations[0])
     profiles: dict[str, str] = {}
-    for path in sorted((Path(__file__).resolve().parent / "profiles").glob("*.json")):
+    for path in sorted((cost_models_dir / "profiles").glob("*.json")):
         try:
             gpu = json.loads(path.read_text(encoding="utf-8")).get("gpu")
         except (OSError, ValueError, AttributeError):
