@@ -23,10 +23,13 @@ Sources (NVIDIA datasheets unless noted):
           70 TFLOPS dense, 24GB GDDR6 600 GB/s; PCIe Gen4 x16 64 GB/s.
   [A40]   NVIDIA A40 datasheet: BF16 149.7 TFLOPS dense (299.4 sparse), 48GB GDDR6 696 GB/s, PCIe Gen4
           64 GB/s (NVLink bridge 112.5 GB/s joins only pairs, so PCIe is the general case).
+  FP8 and INT8 (same datasheets, dense = half the sparse figure): A100 INT8 624 TOPS; H100 SXM FP8 and INT8
+  1,979; H100 PCIe 1,513; H200 1,979; L40S 733; L4 242.5; A40 INT8 299.3. AWS gives no INT8 figure for A10G.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 GIB = 2**30
 TERA = 1e12
@@ -43,25 +46,36 @@ class GpuSpec:
     interconnect_bytes_per_s: float  # per-GPU bidirectional link bandwidth used by tensor parallelism
     interconnect: str
     source: str
+    # Dense FP8 and INT8 tensor-core rates (FLOP/s, op/s); None where the GPU has no such tensor cores (FP8
+    # before Hopper/Ada), so FP8 matmuls there fall back to weight-only kernels at the BF16 rate.
+    peak_fp8_flops_per_s: Optional[float] = None
+    peak_int8_ops_per_s: Optional[float] = None
 
 
 GPUS: dict[str, GpuSpec] = {
     spec.name: spec
     for spec in [
-        GpuSpec("a100-40gb", "A100 SXM4 40GB", 312 * TERA, 1555 * GIGA, 40 * GIB, 600 * GIGA, "NVLink 3", "[A100]"),
-        GpuSpec("a100-80gb", "A100 SXM4 80GB", 312 * TERA, 2039 * GIGA, 80 * GIB, 600 * GIGA, "NVLink 3", "[A100]"),
+        GpuSpec("a100-40gb", "A100 SXM4 40GB", 312 * TERA, 1555 * GIGA, 40 * GIB, 600 * GIGA, "NVLink 3", "[A100]",
+                peak_int8_ops_per_s=624 * TERA),
+        GpuSpec("a100-80gb", "A100 SXM4 80GB", 312 * TERA, 2039 * GIGA, 80 * GIB, 600 * GIGA, "NVLink 3", "[A100]",
+                peak_int8_ops_per_s=624 * TERA),
         GpuSpec("a100-40gb-pcie", "A100 PCIe 40GB", 312 * TERA, 1555 * GIGA, 40 * GIB, 64 * GIGA, "PCIe Gen4 x16",
-                "[A100]"),
+                "[A100]", peak_int8_ops_per_s=624 * TERA),
         GpuSpec("a100-80gb-pcie", "A100 PCIe 80GB", 312 * TERA, 1935 * GIGA, 80 * GIB, 64 * GIGA, "PCIe Gen4 x16",
-                "[A100]"),
-        GpuSpec("h100-80gb", "H100 SXM5 80GB", 989 * TERA, 3350 * GIGA, 80 * GIB, 900 * GIGA, "NVLink 4", "[H100]"),
+                "[A100]", peak_int8_ops_per_s=624 * TERA),
+        GpuSpec("h100-80gb", "H100 SXM5 80GB", 989 * TERA, 3350 * GIGA, 80 * GIB, 900 * GIGA, "NVLink 4", "[H100]",
+                peak_fp8_flops_per_s=1979 * TERA, peak_int8_ops_per_s=1979 * TERA),
         GpuSpec("h100-80gb-pcie", "H100 PCIe 80GB", 756 * TERA, 2000 * GIGA, 80 * GIB, 128 * GIGA, "PCIe Gen5 x16",
-                "[H100]"),
-        GpuSpec("h200", "H200 SXM 141GB", 989 * TERA, 4800 * GIGA, 141 * GIB, 900 * GIGA, "NVLink 4", "[H200]"),
-        GpuSpec("l40s", "L40S 48GB", 362.05 * TERA, 864 * GIGA, 48 * GIB, 64 * GIGA, "PCIe Gen4 x16", "[L40S]"),
-        GpuSpec("l4", "L4 24GB", 121 * TERA, 300 * GIGA, 24 * GIB, 64 * GIGA, "PCIe Gen4 x16", "[L4]"),
+                "[H100]", peak_fp8_flops_per_s=1513 * TERA, peak_int8_ops_per_s=1513 * TERA),
+        GpuSpec("h200", "H200 SXM 141GB", 989 * TERA, 4800 * GIGA, 141 * GIB, 900 * GIGA, "NVLink 4", "[H200]",
+                peak_fp8_flops_per_s=1979 * TERA, peak_int8_ops_per_s=1979 * TERA),
+        GpuSpec("l40s", "L40S 48GB", 362.05 * TERA, 864 * GIGA, 48 * GIB, 64 * GIGA, "PCIe Gen4 x16", "[L40S]",
+                peak_fp8_flops_per_s=733 * TERA, peak_int8_ops_per_s=733 * TERA),
+        GpuSpec("l4", "L4 24GB", 121 * TERA, 300 * GIGA, 24 * GIB, 64 * GIGA, "PCIe Gen4 x16", "[L4]",
+                peak_fp8_flops_per_s=242.5 * TERA, peak_int8_ops_per_s=242.5 * TERA),
         GpuSpec("a10g", "A10G 24GB (AWS G5)", 70 * TERA, 600 * GIGA, 24 * GIB, 64 * GIGA, "PCIe Gen4 x16", "[A10G]"),
-        GpuSpec("a40", "A40 48GB", 149.7 * TERA, 696 * GIGA, 48 * GIB, 64 * GIGA, "PCIe Gen4 x16", "[A40]"),
+        GpuSpec("a40", "A40 48GB", 149.7 * TERA, 696 * GIGA, 48 * GIB, 64 * GIGA, "PCIe Gen4 x16", "[A40]",
+                peak_int8_ops_per_s=299.3 * TERA),
     ]
 }
 
