@@ -39,7 +39,7 @@ def build_cost_model(config: Config) -> tuple[Callable, Any]:
             calibration, _ = load_profile(find_profile(cost.profile, base_dir))
         else:
             raise InvalidValue("cost_model.kind", cost.kind, "linear, roofline or calibrated")
-        model = resolve_model(config.model, base_dir)
+        model = resolve_model(config.model, base_dir, config.quantization, config.kv_cache_dtype)
         gpu = resolve_gpu(config.hardware.gpu)
         scheduler = config.scheduler
         # vLLM 0.33 overlaps a step's host work with the GPU's previous step when scheduling is asynchronous,
@@ -54,7 +54,8 @@ def derive_num_kv_blocks(config: Config) -> int:
     """KV blocks per GPU as vLLM would size them for this model, GPU, TP, memory share and batch limits; an
     ``InvalidValue`` named by its config field (hardware.gpu when the model does not fit) when there are none."""
     with as_config_fields():
-        capacity = kv_capacity(resolve_model(config.model, _config_dir(config)), resolve_gpu(config.hardware.gpu),
+        model = resolve_model(config.model, _config_dir(config), config.quantization, config.kv_cache_dtype)
+        capacity = kv_capacity(model, resolve_gpu(config.hardware.gpu),
                                config.hardware.tp, config.hardware.gpu_memory_utilization, config.scheduler.block_size,
                                config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs)
     return capacity.num_kv_blocks

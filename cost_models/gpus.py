@@ -23,6 +23,20 @@ Sources (NVIDIA datasheets unless noted):
           70 TFLOPS dense, 24GB GDDR6 600 GB/s; PCIe Gen4 x16 64 GB/s.
   [A40]   NVIDIA A40 datasheet: BF16 149.7 TFLOPS dense (299.4 sparse), 48GB GDDR6 696 GB/s, PCIe Gen4
           64 GB/s (NVLink bridge 112.5 GB/s joins only pairs, so PCIe is the general case).
+  [B200]  NVIDIA DGX B200 datasheet and HGX B200 specifications, per GPU (the system figures over its 8 GPUs):
+          FP16/BF16 4.5 PFLOPS sparse (2.25 dense), FP8 9 PFLOPS sparse (4.5 dense), INT8 9 POPS sparse (4.5
+          dense); 180GB HBM3e (1,440GB per DGX) at 8 TB/s (64 TB/s per DGX); NVLink 5 1.8 TB/s (14.4 TB/s per
+          HGX). MLPerf Inference v6.0 system descriptions name the part "NVIDIA B200-SXM-180GB". Measured on a
+          part (pytorch/ao pull request 4002): CUDA reports 178.35 GiB and a 7,680-bit bus at 3,996 MHz, 7.67 TB/s,
+          so the datasheet's 180 and 8 TB/s run 1-4% above what vLLM sees.
+  [H20]   NVIDIA H20 product specification (China-market Hopper; no public datasheet link, the figures as NVIDIA's
+          partners publish them): BF16 148 TFLOPS, FP8 296 TFLOPS, INT8 296 TOPS (dense), 96GB HBM3 4.0 TB/s,
+          NVLink 900 GB/s.
+  [MI300X] AMD Instinct MI300X data sheet (AMD prints the dense figure first, then "with structured sparsity"):
+          BF16/FP16 1,307.4 TFLOPS (2,614.9 sparse), FP8 2,614.9 TFLOPS (5,229.8 sparse), INT8 2,614.9 TOPS
+          (5,229.8 sparse); 192GB HBM3 5.3 TB/s; 7 Infinity Fabric links of 128 GB/s each, 896 GB/s in all. The
+          links join each GPU to each of 7 peers, so a TP group of 2 or 4 uses 1 or 3 of them: the roofline's
+          all-reduce, which takes the 896 GB/s, is optimistic below TP 8 on this GPU.
   FP8 and INT8 (same datasheets, dense = half the sparse figure): A100 INT8 624 TOPS; H100 SXM FP8 and INT8
   1,979; H100 PCIe 1,513; H200 1,979; L40S 733; L4 242.5; A40 INT8 299.3. AWS gives no INT8 figure for A10G.
 """
@@ -76,6 +90,13 @@ GPUS: dict[str, GpuSpec] = {
         GpuSpec("a10g", "A10G 24GB (AWS G5)", 70 * TERA, 600 * GIGA, 24 * GIB, 64 * GIGA, "PCIe Gen4 x16", "[A10G]"),
         GpuSpec("a40", "A40 48GB", 149.7 * TERA, 696 * GIGA, 48 * GIB, 64 * GIGA, "PCIe Gen4 x16", "[A40]",
                 peak_int8_ops_per_s=299.3 * TERA),
+        GpuSpec("b200", "B200 SXM 180GB", 2250 * TERA, 8000 * GIGA, 180 * GIB, 1800 * GIGA, "NVLink 5", "[B200]",
+                peak_fp8_flops_per_s=4500 * TERA, peak_int8_ops_per_s=4500 * TERA),
+        GpuSpec("h20", "H20 96GB", 148 * TERA, 4000 * GIGA, 96 * GIB, 900 * GIGA, "NVLink 4", "[H20]",
+                peak_fp8_flops_per_s=296 * TERA, peak_int8_ops_per_s=296 * TERA),
+        GpuSpec("mi300x", "AMD Instinct MI300X 192GB", 1307.4 * TERA, 5300 * GIGA, 192 * GIB, 896 * GIGA,
+                "Infinity Fabric, 7 links", "[MI300X]", peak_fp8_flops_per_s=2614.9 * TERA,
+                peak_int8_ops_per_s=2614.9 * TERA),
     ]
 }
 
@@ -95,4 +116,14 @@ GPU_ALIASES: dict[str, str] = {
     "h100-pcie": "h100-80gb-pcie",
     "h200-141gb": "h200",
     "h200-sxm": "h200",
+    "b200-180gb": "b200",
+    "b200-sxm": "b200",
+    "b200-sxm-180gb": "b200",
+    "nvidia-b200": "b200",
+    "h20-96gb": "h20",
+    "nvidia-h20": "h20",
+    "mi300x-192gb": "mi300x",
+    "instinct-mi300x": "mi300x",
+    "amd-instinct-mi300x": "mi300x",
+    "amd-mi300x": "mi300x",
 }

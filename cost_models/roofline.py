@@ -31,7 +31,11 @@ with it (vLLM 0.33's default) the host work of step k + 1 runs while the GPU run
 ``max(GPU, host)``: see ``host_hidden_s``.
 
 Grouped-query attention is counted by giving K and V projections and KV bytes ``kv_heads`` heads, not
-``heads``; a gated MLP has three weight matrices (gate, up, down) instead of two.
+``heads``; a gated MLP has three weight matrices (gate, up, down) instead of two. Mixture-of-experts layers read
+the weights of the experts a step's tokens are routed to and multiply each token by its k experts; multi-head
+latent attention reads one latent per cached token; local-attention layers attend to at most their window;
+quantised weights are fewer bytes, and W8A8 matmuls run at the GPU's FP8/INT8 rate (docs/cost-models.md, "Model
+families"). Their parameters default to a dense BF16 model's, whose costs they leave exactly as they were.
 
 ``smooth_max(a, b) = (a^p + b^p)^(1/p)``: measured kernels near the ridge point take longer than either
 bound alone (loads and math overlap imperfectly); p → ∞ is the sharp roofline.
@@ -47,7 +51,10 @@ from typing import Optional
 import jax.numpy as jnp
 
 from servetune.cost_models.gpus import GpuSpec
-from servetune.cost_models.models import DTYPE_BYTES, ModelSpec, heads_per_gpu
+from servetune.cost_models.memory import kv_bytes_per_token_layer
+from servetune.cost_models.models import DTYPE_BYTES, ModelSpec, Quantization, heads_per_gpu
+from servetune.cost_models.sharding import LayerShard, layer_shard
+from servetune.errors import InvalidValue
 from servetune.pytree import pytree_dataclass
 from servetune.types import StepBatch
 
@@ -60,6 +67,11 @@ ELEMENTWISE_KERNELS_PER_LAYER = 5
 KERNELS_PER_LAYER = MATMUL_KERNELS_PER_LAYER + ELEMENTWISE_KERNELS_PER_LAYER
 # Outside the layers: the embedding lookup and the LM head.
 KERNELS_PER_STEP = 2
+# An MoE layer's fused experts replace the MLP's matmuls and activation, and add the router's matmul, its top-k,
+# the tokens' sort by expert and the weighted sum of the experts' outputs (vLLM's FusedMoE: router gate,
+# topk_softmax, moe_align_block_size, moe_sum); a shared expert adds its two matmuls and activation.
+MOE_EXTRA_KERNELS = 4
+SHARED_EXPERT_KERNELS = 3
 # Guards a division when both sides of a roofline are zero (an absent phase), and keeps the derivative of
 # 0^p with respect to p (0 · log 0) finite when calibrating; far below anything a kernel takes.
 _TINY = 1e-30
@@ -150,6 +162,21 @@ class RooflineParams:
     multi_gpu: jnp.ndarray = 0.0              # 1 when tp > 1: the host sends each step's inputs to every worker
     async_scheduling: jnp.ndarray = 0.0       # 1: host work overlaps the previous GPU step (step = max(gpu, host))
     cudagraph_max_tokens: jnp.ndarray = float("inf")   # steps of at most this many tokens replay a CUDA graph
+    # Model families (docs/cost-models.md, "Model families"); the defaults are a dense model with full attention
+    # and BF16 weights, whose costs they leave exactly as they were:
+    local_attention_layers: jnp.ndarray = 0.0   # layers that attend to at most attention_window tokens ...
+    attention_window: jnp.ndarray = 2.0 ** 30   # ... (a window beyond any context when there are none)
+    prefill_attention_flops_scale: jnp.ndarray = 1.0   # prefill's FLOPs per pair over decode's (MLA: 640/2176)
+    prefix_expand_flops_per_token: jnp.ndarray = 0.0   # per layer and cached token a prefill attends (MLA's kv_b)
+    moe_layers: jnp.ndarray = 0.0
+    expert_weight_bytes: jnp.ndarray = 0.0      # per MoE layer: the routed experts' weights this GPU holds
+    expert_miss_probability: jnp.ndarray = 1.0  # 1 - k/E: a token is not routed to a given expert
+    routed_flops_per_token: jnp.ndarray = 0.0   # per MoE layer on this GPU: its share of a token's k experts
+    routed_io_bytes_per_token: jnp.ndarray = 0.0
+    expert_load_factor: jnp.ndarray = 1.0       # the busiest GPU's routed work over the mean (expert parallelism)
+    layer_matmul_time_scale: jnp.ndarray = 1.0  # the BF16 peak over the peak the layers' matmuls run at
+    expert_matmul_time_scale: jnp.ndarray = 1.0  # the same for the routed experts' matmuls
+    extra_kernels_per_step: jnp.ndarray = 0.0   # MoE layers' routing kernels and shared experts' matmuls
 
 
 def layer_matmul_shapes(hidden, q_heads, kv_heads, head_dim, ffn, gated):
@@ -178,27 +205,67 @@ def vllm_cudagraph_capture_size(max_num_seqs: int, max_num_batched_tokens: int, 
 
 def build_roofline_params(model: ModelSpec, gpu: GpuSpec, tp: int,
                           calibration: Calibration = Calibration(), async_scheduling: bool = False,
-                          cudagraph_capture_size: Optional[int] = None) -> RooflineParams:
+                          cudagraph_capture_size: Optional[int] = None, expert_parallel: bool = False,
+                          expert_load_imbalance: float = 0.0) -> RooflineParams:
     """The roofline of ``model`` on ``tp`` ``gpu``s. ``async_scheduling``: the engine overlaps a step's host
     work with the previous step's GPU time (vLLM 0.33's default). ``cudagraph_capture_size``: steps of more
     tokens run eagerly and pay a launch cost per kernel (vLLM's default is ``vllm_cudagraph_capture_size``; 0 is
-    ``enforce_eager``); None, the default here, treats every step as graphed (no eager cost)."""
+    ``enforce_eager``); None, the default here, treats every step as graphed (no eager cost).
+    ``expert_parallel``: each GPU holds whole experts (vLLM's ``--enable-expert-parallel``, see ``sharding``);
+    ``expert_load_imbalance``: then the busiest GPU gets this much more than its mean share of routed tokens."""
+    if expert_load_imbalance < 0:
+        raise InvalidValue("expert_load_imbalance", expert_load_imbalance, "a number ≥ 0")
     q_heads, kv_heads = heads_per_gpu(model, tp)
     h, d, gated = model.hidden_size, model.head_dim, int(model.gated_mlp)
+    shard = layer_shard(model, tp, expert_parallel)
+    layers, moe_layers = model.num_layers, model.num_moe_layers
+    dense_layers = layers - moe_layers
     ffn = model.intermediate_size // tp
-    matmuls = layer_matmul_shapes(h, q_heads, kv_heads, d, ffn, gated)
-    weights = sum(k * n for k, n in matmuls)
+    weights, activations = LayerShard.weights, LayerShard.activations
+    # What every token uses in a layer, averaged over the layers: attention, and a dense layer's MLP or an MoE
+    # layer's shared experts (quantised with the rest) and its router (BF16).
+    quantisable = weights(shard.attention) + (dense_layers * weights(shard.dense_mlp)
+                                              + moe_layers * weights(shard.shared_experts)) / layers
+    routers = moe_layers * weights(shard.router) / layers
+    layer_io = activations(shard.attention) + (dense_layers * activations(shard.dense_mlp) + moe_layers * (
+        activations(shard.shared_experts) + activations(shard.router))) / layers
+    quantization = model.quantization
+    layer_bytes_per_weight = DTYPE_BYTES if quantization is None or quantization.experts_only \
+        else quantization.bytes_per_weight
+    expert_bytes_per_weight = DTYPE_BYTES if quantization is None else quantization.bytes_per_weight
+    moe = model.moe
+    # A token's share of its experts on this GPU: all of them (a slice of each) under TP, those among the
+    # experts it holds whole under expert parallelism.
+    routed_share = 0.0 if moe is None else shard.experts_held / moe.num_experts
+    experts_per_token = 0 if moe is None else moe.experts_per_token
+    shared_width = 0 if moe is None else moe.shared_intermediate_size // tp
+    expert_width = shard.expert[-1][0] if shard.expert else 0
+    elementwise = (7 * h + 2 * q_heads * d
+                   + 2 * (model.mla.latent_dim if model.mla is not None else kv_heads * d)
+                   + (dense_layers * (2 + gated) * ffn + moe_layers * (2 + gated) * (
+                       experts_per_token * routed_share * expert_width + shared_width)) / layers)
+    if model.mla is None:
+        attention_flops_per_pair = 4 * q_heads * d
+        prefill_scale, prefix_expand = 1.0, 0
+    else:
+        # vLLM's MLA decodes in the latent space (FlashMLA: q·k over kv_lora_rank + qk_rope_head_dim, p·v over
+        # kv_lora_rank, each head) and prefills as ordinary attention on keys and values that kv_b_proj
+        # expands, for the cached prefix too (MLACommonImpl._compute_prefill_context).
+        m = model.mla
+        attention_flops_per_pair = 2 * q_heads * (m.latent_dim + m.kv_lora_rank)
+        prefill_scale = (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) / (m.latent_dim + m.kv_lora_rank)
+        prefix_expand = 2 * m.kv_lora_rank * q_heads * (m.qk_nope_head_dim + m.v_head_dim)
+    local = model.local_attention
     vocab = model.vocab_size // tp
     f32 = jnp.float32
     return RooflineParams(
-        num_layers=f32(model.num_layers),
-        layer_weight_bytes=f32(weights * DTYPE_BYTES),
-        layer_matmul_flops_per_token=f32(2 * weights),
-        layer_matmul_io_bytes_per_token=f32(sum(k + n for k, n in matmuls) * DTYPE_BYTES),
-        layer_elementwise_bytes_per_token=f32(
-            layer_elementwise_elements_per_token(h, q_heads, kv_heads, d, ffn, gated) * DTYPE_BYTES),
-        attention_flops_per_pair=f32(4 * q_heads * d),
-        kv_bytes_per_token=f32(2 * kv_heads * d * DTYPE_BYTES),
+        num_layers=f32(layers),
+        layer_weight_bytes=f32(quantisable * layer_bytes_per_weight + routers * DTYPE_BYTES),
+        layer_matmul_flops_per_token=f32(2 * (quantisable + routers)),
+        layer_matmul_io_bytes_per_token=f32(layer_io * DTYPE_BYTES),
+        layer_elementwise_bytes_per_token=f32(elementwise * DTYPE_BYTES),
+        attention_flops_per_pair=f32(attention_flops_per_pair),
+        kv_bytes_per_token=f32(kv_bytes_per_token_layer(model, tp)),
         lm_head_weight_bytes=f32(h * vocab * DTYPE_BYTES),
         lm_head_flops_per_seq=f32(2 * h * vocab),
         lm_head_io_bytes_per_seq=f32((h + vocab) * DTYPE_BYTES),
@@ -213,7 +280,40 @@ def build_roofline_params(model: ModelSpec, gpu: GpuSpec, tp: int,
         multi_gpu=f32(1.0 if tp > 1 else 0.0),
         async_scheduling=f32(1.0 if async_scheduling else 0.0),
         cudagraph_max_tokens=f32(float("inf") if cudagraph_capture_size is None else cudagraph_capture_size),
+        local_attention_layers=f32(0 if local is None else local.num_layers),
+        attention_window=f32(2.0 ** 30 if local is None else local.window),
+        prefill_attention_flops_scale=f32(prefill_scale),
+        prefix_expand_flops_per_token=f32(prefix_expand),
+        moe_layers=f32(moe_layers),
+        expert_weight_bytes=f32(shard.experts_held * weights(shard.expert) * expert_bytes_per_weight),
+        expert_miss_probability=f32(1.0 if moe is None else 1.0 - moe.experts_per_token / moe.num_experts),
+        routed_flops_per_token=f32(2 * experts_per_token * routed_share * weights(shard.expert)),
+        routed_io_bytes_per_token=f32(experts_per_token * routed_share * activations(shard.expert) * DTYPE_BYTES),
+        expert_load_factor=f32(1.0 + expert_load_imbalance if expert_parallel and tp > 1 else 1.0),
+        layer_matmul_time_scale=f32(1.0 if quantization is None or quantization.experts_only
+                                    else matmul_time_scale(quantization, gpu)),
+        expert_matmul_time_scale=f32(1.0 if quantization is None else matmul_time_scale(quantization, gpu)),
+        extra_kernels_per_step=f32(moe_layers * (MOE_EXTRA_KERNELS + (SHARED_EXPERT_KERNELS if shared_width else 0))),
     )
+
+
+def matmul_time_scale(quantization: Quantization, gpu: GpuSpec) -> float:
+    """How long a quantised matmul's FLOPs take relative to BF16 ones at the same efficiency: W8A8 runs on the
+    GPU's FP8 or INT8 tensor cores (``GpuSpec.peak_fp8_flops_per_s``, ``peak_int8_ops_per_s``); weight-only
+    formats, and W8A8 on a GPU without such tensor cores (FP8 before Ada/Hopper: vLLM's Marlin FP8 kernels
+    dequantise the weights), multiply in BF16."""
+    if quantization.activation_bits != 8:
+        return 1.0
+    peak = gpu.peak_fp8_flops_per_s if quantization.weight_type == "float" else gpu.peak_int8_ops_per_s
+    return 1.0 if peak is None else gpu.peak_flops_per_s / peak
+
+
+def experts_touched(miss_probability, tokens):
+    """The expected fraction of an MoE layer's experts that at least one of ``tokens`` tokens is routed to, when
+    each token picks its k of E experts uniformly at random and independently of the others:
+    ``1 - (1 - k/E)^T`` (``miss_probability`` = 1 - k/E); times E it is the expected number of distinct experts
+    whose weights the step reads."""
+    return 1.0 - miss_probability ** tokens
 
 
 def smooth_max(a: jnp.ndarray, b: jnp.ndarray, sharpness: jnp.ndarray) -> jnp.ndarray:
@@ -262,6 +362,7 @@ class StepCosts:
     matmul_flops: jnp.ndarray
     attention_flops: jnp.ndarray
     allreduce_bytes: jnp.ndarray
+    routed_weight_bytes: jnp.ndarray   # of weight_bytes: the routed experts' (MoE)
 
 
 def allreduce_time_s(calibration: Calibration, workers, message_bytes, link_bytes_per_s):
@@ -275,7 +376,8 @@ def allreduce_time_s(calibration: Calibration, workers, message_bytes, link_byte
 def kernels_per_step(params: RooflineParams) -> jnp.ndarray:
     """Kernels one step launches: every layer's matmuls and element-wise kernels, its attention call and its
     all-reduces, the embedding and the LM head."""
-    return params.num_layers * (KERNELS_PER_LAYER + 1 + params.allreduces_per_layer) + KERNELS_PER_STEP
+    return (params.num_layers * (KERNELS_PER_LAYER + 1 + params.allreduces_per_layer) + KERNELS_PER_STEP
+            + params.extra_kernels_per_step)
 
 
 def step_costs(params: RooflineParams, batch: StepBatch) -> StepCosts:
@@ -285,18 +387,44 @@ def step_costs(params: RooflineParams, batch: StepBatch) -> StepCosts:
     seqs = batch.num_seqs
     peak, bandwidth, p = params.peak_flops_per_s, params.memory_bytes_per_s, c.roofline_sharpness
 
-    matmul_flops = layers * params.layer_matmul_flops_per_token * tokens + params.lm_head_flops_per_seq * seqs
-    weight_bytes = layers * params.layer_weight_bytes + params.lm_head_weight_bytes
-    matmul_io = layers * params.layer_matmul_io_bytes_per_token * tokens + params.lm_head_io_bytes_per_seq * seqs
-    matmul_s = kernel_time_s(matmul_flops, weight_bytes + matmul_io, peak, bandwidth,
+    # MoE layers read the experts the step's tokens are routed to, and multiply each token by its k experts; on
+    # the busiest GPU (expert parallelism) more of both.
+    load = params.expert_load_factor
+    routed_weight_bytes = params.moe_layers * params.expert_weight_bytes * jnp.minimum(
+        load * experts_touched(params.expert_miss_probability, tokens), 1.0)
+    routed_flops = params.moe_layers * params.routed_flops_per_token * tokens * load
+    layer_flops = layers * params.layer_matmul_flops_per_token * tokens
+    matmul_flops = layer_flops + params.lm_head_flops_per_seq * seqs + routed_flops
+    weight_bytes = layers * params.layer_weight_bytes + params.lm_head_weight_bytes + routed_weight_bytes
+    matmul_io = (layers * params.layer_matmul_io_bytes_per_token * tokens + params.lm_head_io_bytes_per_seq * seqs
+                 + params.moe_layers * params.routed_io_bytes_per_token * tokens * load)
+    # FLOPs at the BF16 peak's pace: W8A8 matmuls on FP8/INT8 tensor cores take less time per FLOP
+    matmul_paced_flops = matmul_flops - (layer_flops * (1.0 - params.layer_matmul_time_scale)
+                                         + routed_flops * (1.0 - params.expert_matmul_time_scale))
+    matmul_s = kernel_time_s(matmul_paced_flops, weight_bytes + matmul_io, peak, bandwidth,
                              c.matmul_compute_efficiency, c.matmul_memory_efficiency, p)
 
-    prefill_flops = layers * params.attention_flops_per_pair * batch.prefill_attention_pairs
-    prefill_kv = layers * params.kv_bytes_per_token * batch.prefill_context_tokens
+    # Local-attention layers attend to at most the window: each sequence's context capped at it, applied to the
+    # step's totals (exact when every sequence is on the same side of the window, else an upper bound).
+    full_layers = layers - params.local_attention_layers
+    local_layers, window = params.local_attention_layers, params.attention_window
+    local_prefill_pairs = jnp.minimum(batch.prefill_attention_pairs, batch.prefill_tokens * window)
+    local_prefill_context = jnp.minimum(batch.prefill_context_tokens,
+                                        batch.num_prefill_seqs * window + batch.prefill_tokens)
+    local_decode_context = jnp.minimum(batch.decode_context_tokens, batch.num_decode_seqs * window)
+    prefill_flops = ((full_layers * params.attention_flops_per_pair * batch.prefill_attention_pairs
+                      + local_layers * params.attention_flops_per_pair * local_prefill_pairs)
+                     * params.prefill_attention_flops_scale
+                     + layers * params.prefix_expand_flops_per_token
+                     * (batch.prefill_context_tokens - batch.prefill_tokens))
+    prefill_kv = (full_layers * params.kv_bytes_per_token * batch.prefill_context_tokens
+                  + local_layers * params.kv_bytes_per_token * local_prefill_context)
     attention_prefill_s = kernel_time_s(prefill_flops, prefill_kv, peak, bandwidth,
                                         c.attention_compute_efficiency, c.attention_memory_efficiency, p)
-    decode_flops = layers * params.attention_flops_per_pair * batch.decode_context_tokens
-    decode_kv = layers * params.kv_bytes_per_token * batch.decode_context_tokens
+    decode_flops = (full_layers * params.attention_flops_per_pair * batch.decode_context_tokens
+                    + local_layers * params.attention_flops_per_pair * local_decode_context)
+    decode_kv = (full_layers * params.kv_bytes_per_token * batch.decode_context_tokens
+                 + local_layers * params.kv_bytes_per_token * local_decode_context)
     attention_decode_s = kernel_time_s(decode_flops, decode_kv, peak, bandwidth,
                                        c.attention_compute_efficiency, c.attention_memory_efficiency, p)
 
@@ -309,7 +437,7 @@ def step_costs(params: RooflineParams, batch: StepBatch) -> StepCosts:
     communication_s = (allreduces * (c.allreduce_base_latency_s + params.allreduce_ring_steps * c.allreduce_latency_s)
                        + allreduce_bytes / (params.link_bytes_per_s * c.allreduce_efficiency))
 
-    kernels = layers * KERNELS_PER_LAYER + KERNELS_PER_STEP
+    kernels = layers * KERNELS_PER_LAYER + KERNELS_PER_STEP + params.extra_kernels_per_step
     eager = (tokens > params.cudagraph_max_tokens).astype(jnp.float32)
     eager_launch_s = eager * kernels_per_step(params) * c.eager_launch_overhead_s
     overhead_s = kernels * c.kernel_overhead_s + layers * c.attention_overhead_s + eager_launch_s
@@ -319,7 +447,7 @@ def step_costs(params: RooflineParams, batch: StepBatch) -> StepCosts:
     host_s = sum(phases.values())
     host_hidden_s = params.async_scheduling * jnp.minimum(gpu_s, host_s)
     total_s = gpu_s + host_s - host_hidden_s
-    compute_bound_s = (matmul_flops / (peak * c.matmul_compute_efficiency)
+    compute_bound_s = (matmul_paced_flops / (peak * c.matmul_compute_efficiency)
                        + (prefill_flops + decode_flops) / (peak * c.attention_compute_efficiency))
     memory_bound_s = ((weight_bytes + matmul_io) / (bandwidth * c.matmul_memory_efficiency)
                       + (prefill_kv + decode_kv) / (bandwidth * c.attention_memory_efficiency) + elementwise_s)
@@ -333,6 +461,7 @@ def step_costs(params: RooflineParams, batch: StepBatch) -> StepCosts:
         compute_bound_s=compute_bound_s, memory_bound_s=memory_bound_s, weight_bytes=weight_bytes,
         kv_bytes=prefill_kv + decode_kv, activation_bytes=matmul_io + elementwise_bytes, matmul_flops=matmul_flops,
         attention_flops=prefill_flops + decode_flops, allreduce_bytes=allreduce_bytes,
+        routed_weight_bytes=routed_weight_bytes,
     )
 
 

@@ -293,7 +293,8 @@ class Replay:
         self.scheduler = scheduler
         with as_config_fields():
             base_dir = _config_dir(self.config)
-            self.geometry = build_roofline_params(resolve_model(self.config.model, base_dir),
+            self.geometry = build_roofline_params(resolve_model(self.config.model, base_dir, self.config.quantization,
+                                                                self.config.kv_cache_dtype),
                                                   resolve_gpu(self.config.hardware.gpu), self.config.hardware.tp)
         self.width = width
 

@@ -44,8 +44,9 @@ class BatchEvaluator:
         # A relative calibration profile is read from the config's folder, so the folder is part of the key.
         # The scheduler knobs the roofline reads (async scheduling, the CUDA-graph capture size) are part of it.
         scheduler = config.scheduler
-        key = (config.model, config.hardware, config.cost_model, Path(config.source or ".").parent,
-               scheduler.pipelined, scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
+        key = (config.model, config.quantization, config.kv_cache_dtype, config.hardware, config.cost_model,
+               Path(config.source or ".").parent, scheduler.pipelined, scheduler.max_num_seqs,
+               scheduler.max_num_batched_tokens)
         if key not in self._cost_models:
             self._cost_models[key] = build_cost_model(config)
         return self._cost_models[key]

@@ -23,6 +23,10 @@ sizing rule (``cost_models/memory.py``) yields at least that many blocks, and fo
 rules of their own, so each gets the simulated cache's usable tokens, (num_kv_blocks - 1) x block_size, as its
 cache size in tokens.
 
+The model's precision goes to vLLM as ``quantization`` (only for FP8 quantisation of a BF16 checkpoint on loading;
+vLLM reads a quantised checkpoint's method from its config.json) and ``kv-cache-dtype``; the other engines list
+them among the knobs they do not express.
+
 The admission limit ``max_num_queued_reqs`` counts unfinished requests, waiting and running, as vLLM's
 ``max-num-queued-reqs`` does (vllm/v1/engine/async_llm.py); TGI's ``--max-concurrent-requests`` counts the
 same; SGLang's ``max-queued-requests`` counts waiting requests only (so it gets the limit less its running
@@ -52,14 +56,14 @@ NEUTRAL = {"scheduler.long_prefill_token_threshold": 0, "scheduler.watermark": 0
            "scheduler.max_num_queued_reqs": None, "hardware.tp": 1, "scheduler.queue_order": "fcfs",
            "scheduler.priority_weights": None, "scheduler.length_prediction_noise": 0.0,
            "scheduler.enable_prefix_caching": False, "scheduler.async_scheduling": None,
-           "scheduler.reserve_full_prompt": True}
+           "scheduler.reserve_full_prompt": True, "quantization": None, "kv_cache_dtype": "auto"}
 
 # vLLM 0.33's scheduler and cache keys (engines.md; the last three as vllm/engine/arg_utils.py spells them, a
 # `false` written as --no-KEY); its SchedulerConfig refuses any other key at start-up.
 VLLM_KEYS = ("max-num-seqs", "max-num-batched-tokens", "enable-chunked-prefill", "long-prefill-token-threshold",
              "scheduling-policy", "max-num-queued-reqs", "max-num-queued-tokens", "watermark", "block-size",
              "gpu-memory-utilization", "enable-prefix-caching", "max-model-len", "async-scheduling",
-             "scheduler-reserve-full-isl", "num-gpu-blocks-override")
+             "scheduler-reserve-full-isl", "num-gpu-blocks-override", "quantization", "kv-cache-dtype")
 # How each engine orders requests by priority (used when servetune's queue orders carry priorities):
 # servetune follows vLLM, lower value first.
 PRIORITY_ORDER = {"vllm": "lower value served first", "sglang": "higher value served first (negate servetune's)",
@@ -93,6 +97,7 @@ def in_effect(config: Config) -> dict[str, Any]:
     skip = CONTINUOUS_ONLY if config.scheduler.policy == "static" else STATIC_ONLY
     knobs = {f"scheduler.{f.name}": getattr(config.scheduler, f.name) for f in dataclasses.fields(SchedulerConfig)}
     knobs["hardware.tp"] = config.hardware.tp
+    knobs["quantization"], knobs["kv_cache_dtype"] = config.quantization, config.kv_cache_dtype
     return {key: value for key, value in knobs.items() if key not in skip}
 
 
@@ -101,6 +106,31 @@ def _model_context_length(config: Config) -> Optional[int]:
     from servetune.pipeline import model_context_length
 
     return model_context_length(config)
+
+
+def _checkpoint_quantization(config: Config) -> Optional[str]:
+    """The quantisation method the model's own config.json names (None: BF16 weights)."""
+    from servetune.cost_models.catalog import resolve_model
+    from servetune.cost_models.factory import _config_dir
+
+    weights = resolve_model(config.model, _config_dir(config)).quantization
+    return None if weights is None else weights.method
+
+
+def _vllm_precision(config: Config) -> tuple[dict, list[str]]:
+    """vLLM's --quantization, only where vLLM needs it: to quantise a BF16 checkpoint to FP8 on loading (AWQ and
+    GPTQ stand for such a checkpoint, whose config.json vLLM reads; forcing --quantization awq there would pick
+    the slower non-Marlin kernel); and --kv-cache-dtype unless auto."""
+    keys, warnings = {}, []
+    if config.quantization is not None and _checkpoint_quantization(config) is None:
+        if config.quantization == "fp8":
+            keys["quantization"] = "fp8"
+        else:
+            warnings.append(f"vllm: quantization {config.quantization} simulated a {config.quantization.upper()} "
+                            f"checkpoint of {config.model}: serve one, whose config.json gives vLLM the method")
+    if config.kv_cache_dtype != "auto":
+        keys["kv-cache-dtype"] = config.kv_cache_dtype
+    return keys, warnings
 
 
 def _derived_kv_blocks(config: Config) -> int:
@@ -143,7 +173,7 @@ def memory_utilization_for(config: Config) -> float:
         most = 0
     if most < wanted:
         raise UserError(f"scheduler.num_kv_blocks: got {wanted}, expected at most {most}: that is what "
-                        f"{config.model} leaves room for on {config.hardware.gpu} x{config.hardware.tp} "
+                        f"{config.model} leaves room for on {config.hardware.gpu_name} x{config.hardware.tp} "
                         "with all of its memory, so no engine can be configured to hold it")
     low, high = 0, 1000   # thousandths: blocks_at(high / 1000) ≥ wanted holds throughout
     while high - low > 1:
@@ -196,14 +226,16 @@ def _vllm(policy: Policy) -> tuple[dict, list[str]]:
         keys["max-num-queued-reqs"] = s.max_num_queued_reqs
     if s.watermark:
         keys["watermark"] = s.watermark
+    precision, precision_warnings = _vllm_precision(policy.config)
+    keys.update(precision)
     expressed = {"scheduler.max_num_seqs", "scheduler.batch_size", "scheduler.max_num_batched_tokens",
                  "scheduler.enable_chunked_prefill", "scheduler.long_prefill_token_threshold", "scheduler.block_size",
                  "scheduler.num_kv_blocks", "scheduler.watermark", "scheduler.max_num_queued_reqs",
                  "scheduler.enable_prefix_caching", "scheduler.max_model_len", "scheduler.async_scheduling",
-                 "scheduler.reserve_full_prompt"}
+                 "scheduler.reserve_full_prompt", "quantization", "kv_cache_dtype"}
     if s.queue_order == "priority":
         expressed.add("scheduler.queue_order")
-    warnings = _unexpressed(policy.config, expressed, "vllm")
+    warnings = _unexpressed(policy.config, expressed, "vllm") + precision_warnings
     if s.max_model_len is None:
         warnings.append(f"vllm: max-model-len is left to vLLM, which derives it from the model's config; knowing no "
                         f"context length for {policy.config.model}, the simulation took requests of up to "

@@ -101,7 +101,9 @@ def content_data(config: Config) -> dict:
         found = next((file for file in (_existing_file(name, place) for name, place in places) if file), None)
         return path if found is None else CONTENT_PREFIX + hashlib.sha256(found.read_bytes()).hexdigest()
 
-    return _without_later_fields_at_default(_map_file_fields(_plain_data(config), content))
+    data = _without_later_fields_at_default(_map_file_fields(_plain_data(config), content))
+    return {key: value for key, value in data.items()
+            if not (key in _LATER_TOP_LEVEL_FIELDS and value == _LATER_TOP_LEVEL_FIELDS[key])}
 
 
 # Fields added to the workload's sections after hashes were first recorded (vllm bench serve's arrivals and
@@ -111,6 +113,10 @@ _LATER_FIELDS = {
     "arrivals": ("request_rate", "burstiness", "ramp_up", "columns", "timestamp_unit"),
     "lengths": ("name", "input_len", "output_len", "range_ratio", "tokenizer"),
 }
+
+
+# Top-level keys added later (vLLM's --quantization and --kv-cache-dtype), with their defaults: left out there too.
+_LATER_TOP_LEVEL_FIELDS = {"quantization": None, "kv_cache_dtype": "auto"}
 
 
 def _without_later_fields_at_default(data):

@@ -68,11 +68,51 @@ Burstiness = Annotated[Float, Field(ge=1e-6, allow_inf_nan=True, description=(
     "(vLLM's default, 1.0)"))]   # as gamma's cv ≤ 1e3: shape ≥ 1e-6
 
 
+# The numbers of a GPU of the user's own. The bounds leave room far beyond the catalogue's largest (192 GiB on the
+# MI300X; 8 TB/s and 4.5 dense PFLOP/s of FP8 on the B200, cost_models/gpus.py) while keeping a step's time a
+# float32 number of seconds well inside the simulated clock.
+GpuMemoryGib = Annotated[Float, Field(ge=1, le=2**16)]
+GpuTeraRate = Annotated[Float, Field(ge=0.1, le=1e6)]   # TFLOP/s or TOP/s
+GpuGigaBytesPerS = Annotated[Float, Field(ge=1, le=1e6)]
+LowPrecisionRate = Optional[Annotated[Float, Field(ge=0.1, le=1e6, description=(
+    "a number in [0.1, 1e+06], or null for a GPU without such tensor cores"))]]
+GpuName = Annotated[str, Strict(), Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", description=(
+    "a name of at most 64 letters, digits, '.', '_' and '-', starting with a letter or digit, such as my-gpu"))]
+
+
+@dataclass(frozen=True)
+class GpuDefinition:
+    """``hardware.gpu`` as a mapping, or the YAML/JSON file holding one: a GPU the catalogue lacks, in the units
+    and under the names ``servetune gpus --json`` prints. Rates are dense tensor-core peaks (a datasheet's
+    2:4-sparsity figure halved); ``interconnect_gb_per_s`` is one GPU's link bandwidth in both directions
+    together, as datasheets quote NVLink. Every number is required; fp8_tflops and int8_tops take null for a GPU
+    without such tensor cores (its FP8/INT8 matmuls then run at the BF16 rate)."""
+    __pydantic_config__ = VALIDATION
+    name: GpuName
+    memory_gib: GpuMemoryGib                 # device memory, GiB
+    memory_gb_per_s: GpuGigaBytesPerS        # HBM/GDDR bandwidth, GB/s (10^9 bytes)
+    bf16_tflops: GpuTeraRate                 # dense BF16/FP16 tensor TFLOP/s
+    fp8_tflops: LowPrecisionRate             # dense FP8 tensor TFLOP/s
+    int8_tops: LowPrecisionRate              # dense INT8 tensor TOP/s
+    interconnect_gb_per_s: GpuGigaBytesPerS  # per-GPU bidirectional link bandwidth (NVLink, else PCIe), GB/s
+    description: Optional[Text] = None       # what it is and where its numbers come from (null: the name)
+
+
 @dataclass(frozen=True)
 class HardwareConfig:
-    gpu: Text = "a100-80gb"
+    # A catalogue name (`servetune gpus`), the path of a YAML or JSON file holding a GpuDefinition (relative to the
+    # config's folder), or a GpuDefinition's mapping; the loader turns a file or a mapping into a GpuDefinition.
+    gpu: Annotated[Any, Field(description=(
+        "a catalogue GPU name (servetune gpus), the path of a .yaml/.yml/.json file defining a GPU, or a mapping "
+        "{name, memory_gib, memory_gb_per_s, bf16_tflops, fp8_tflops, int8_tops, interconnect_gb_per_s}"
+    ))] = "a100-80gb"
     tp: Annotated[Int, Field(ge=1, le=1024)] = 1
     gpu_memory_utilization: Fraction = 0.92   # fraction of GPU memory the engine may use (vLLM's flag)
+
+    @property
+    def gpu_name(self) -> str:
+        """The GPU as messages name it: the catalogue name as written, or a defined GPU's own name."""
+        return self.gpu.name if isinstance(self.gpu, GpuDefinition) else str(self.gpu)
 
 
 @dataclass(frozen=True)
@@ -381,6 +421,13 @@ class RlConfig:
 class Config:
     __pydantic_config__ = VALIDATION   # the sections inherit it
     model: Text = "llama-2-7b"
+    # vLLM's --quantization: null reads it from the model's config.json (quantization_config); fp8 quantises a
+    # BF16 checkpoint on loading; awq and gptq stand for a 4-bit AWQ/GPTQ checkpoint of the model; compressed-tensors
+    # and mxfp4 only restate a config.json's (cost_models/models.py, QUANTIZATION_PRESETS)
+    quantization: Optional[Literal["fp8", "awq", "gptq", "compressed-tensors", "mxfp4"]] = None
+    # vLLM's --kv-cache-dtype: auto is the model's dtype (FP8 where a compressed-tensors checkpoint says so); the
+    # fp8 ones store a byte per value
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     cost_model: CostModelConfig = field(default_factory=CostModelConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)

@@ -34,10 +34,10 @@ from pydantic.fields import FieldInfo
 
 from servetune.config import (
     MAX_CLOCK_S, MAX_KV_TOKENS, MAX_TOKEN_COUNT, STEERABLE_KNOBS, VALIDATION, ArrivalsConfig, Config, CostModelConfig,
-    ColumnsConfig, Float, Int, KnobConfig, LengthsConfig, LognormalConfig, RampUpConfig, RangeRatioConfig, Rate,
-    RlConfig, SchedulerConfig, SearchConfig, Seed, TenantConfig, TokenCount, WorkloadConfig,
+    ColumnsConfig, Float, GpuDefinition, HardwareConfig, Int, KnobConfig, LengthsConfig, LognormalConfig, RampUpConfig,
+    RangeRatioConfig, Rate, RlConfig, SchedulerConfig, SearchConfig, Seed, TenantConfig, TokenCount, WorkloadConfig,
 )
-from servetune.cost_models.catalog import as_config_fields, resolve_gpu, resolve_model
+from servetune.cost_models.catalog import as_config_fields, catalogue_gpu, resolve_gpu, resolve_model
 from servetune.cost_models.memory import KvCapacity, kv_capacity
 from servetune.cost_models.models import heads_per_gpu
 from servetune.envs.workload.lengths import LognormalSpec
@@ -342,6 +342,8 @@ def _problem(error: dict, cls: type, parent: str) -> tuple[str, str]:
             key, hint = f"{key}.{part}" if key else part, _fields(_section(hint))[part]
     if loc != error["loc"]:
         return _unknown_key(str(error["loc"][-1]), list(_fields(_section(hint))), key)
+    if error["type"] == "missing":   # a required field (a GPU definition's numbers): its input is the whole mapping
+        return key, f"missing; expected {_expectation(hint)}"
     return key or "the config", f"got {_show(error['input'])}, expected {_expectation(hint)}"
 
 
@@ -927,6 +929,7 @@ def _check_closed_loop_scheduler(config: Config, report: _Reporter) -> None:
 
 
 def _check_cross_field(config: Config, report: _Reporter, base_dir: Path) -> Config:
+    config = dataclasses.replace(config, hardware=_check_hardware(config.hardware, report, base_dir))
     scheduler = config.scheduler
     if scheduler.long_prefill_token_threshold > 0 and not scheduler.enable_chunked_prefill:
         raise report.bad_value(
@@ -1006,6 +1009,64 @@ def _check_unread_scheduler_fields(scheduler: SchedulerConfig, report: _Reporter
 
 
 # ---------------------------------------------------------------------------------------------------------
+# A GPU of the user's own: hardware.gpu (and --gpu) as a mapping or the YAML/JSON file holding one, validated
+# against GpuDefinition. The config keeps the definition itself, never the file's path, so a recorded config
+# needs no file and its hash follows the numbers.
+
+GPU_FILE_SUFFIXES = (".yaml", ".yml", ".json")
+
+
+def names_gpu_file(text: str) -> bool:
+    """Whether ``hardware.gpu`` or ``--gpu`` names a file rather than a catalogue GPU: a path ends in .yaml, .yml
+    or .json or holds a '/', which no catalogue name (nor a GpuDefinition's name) does."""
+    return text.lower().endswith(GPU_FILE_SUFFIXES) or "/" in text
+
+
+def read_gpu_file(path: Union[str, Path]) -> GpuDefinition:
+    """The GPU a YAML or JSON file defines; a ConfigError naming the file, with one line for each bad field."""
+    path = Path(path)
+    source = str(path)
+    with reading_user_file(source, "GPU file", "a YAML or JSON file defining a GPU", ConfigError):
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{source}: {path.stat().st_size:,} bytes, expected a GPU definition of at most "
+                              f"{MAX_CONFIG_BYTES:,}")
+        text = path.read_text(encoding="utf-8")
+    data = _parse_yaml(text, source)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: got {_show(data)}, expected a mapping with keys "
+                          f"{', '.join(_fields(GpuDefinition))}")
+    return _gpu_definition(data, "", _Reporter(source))
+
+
+def _gpu_definition(data: dict, parent: str, report: _Reporter) -> GpuDefinition:
+    definition = _validated(GpuDefinition, data, parent, report)
+    namesake = catalogue_gpu(definition.name)
+    if namesake is not None:
+        # A namesake would pick up what belongs to the catalogue's GPU (its shipped calibrated profile).
+        raise report.bad_value(f"{parent}.name" if parent else "name", definition.name,
+                               f"a name no catalogue GPU has ({namesake.name} is the catalogue's {namesake.description}"
+                               f"; give its name alone to use it)")
+    return definition
+
+
+def _check_hardware(hardware: HardwareConfig, report: _Reporter, base_dir: Path) -> HardwareConfig:
+    """``hardware.gpu``: a catalogue name stays as written (``_check_model_and_hardware`` looks it up); a mapping, or
+    a file (relative to the config's folder) holding one, becomes a ``GpuDefinition``."""
+    key, gpu = "hardware.gpu", hardware.gpu
+    if isinstance(gpu, GpuDefinition):   # a config built in code, or checked before
+        gpu = dataclasses.asdict(gpu)
+    if isinstance(gpu, dict):
+        definition = _gpu_definition(gpu, key, report)
+    elif isinstance(gpu, str) and gpu.strip() and names_gpu_file(gpu):
+        definition = read_gpu_file(_resolved_file(key, gpu, "YAML or JSON file defining a GPU", report, base_dir))
+    elif isinstance(gpu, str) and gpu.strip():
+        return hardware
+    else:
+        raise report.bad_value(key, gpu, _expectation(_fields(HardwareConfig)["gpu"]))
+    return dataclasses.replace(hardware, gpu=definition)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # The model and the GPU: what vLLM checks before it starts, for every config whatever its cost model and
 # whether or not it gives the KV cache's size.
 
@@ -1020,7 +1081,7 @@ def _check_model_and_hardware(config: Config, report: _Reporter, base_dir: Path)
 
     try:
         with as_config_fields():
-            model = resolve_model(config.model, base_dir)
+            model = resolve_model(config.model, base_dir, config.quantization, config.kv_cache_dtype)
             gpu = resolve_gpu(hardware.gpu)
             heads_per_gpu(model, hardware.tp)
             # vLLM refuses to start when the weights leave no room for the cache, whether or not its size is given.
@@ -1103,6 +1164,28 @@ def _searchable_field(key: str, report: _Reporter) -> Any:
     return fields[name]
 
 
+def _check_gpu_knob(data: Any, config: Config, report: _Reporter) -> KnobConfig:
+    """``search.knobs.hardware.gpu``: choices of catalogue names only. An Optuna trial holds plain values, so a GPU
+    of the user's own cannot be one of them (``search.scenarios`` can run it beside others)."""
+    where = "search.knobs.hardware.gpu"
+    knob = _validated(KnobConfig, data, where, report)
+    if knob.choices is None or knob.low is not None or knob.high is not None or knob.step is not None or knob.log:
+        raise report.bad_value(where, data, "{choices: [...]}: a list of catalogue GPU names")
+    if isinstance(config.hardware.gpu, GpuDefinition):
+        raise report.bad_value("hardware.gpu", config.hardware.gpu.name, "a catalogue GPU name with a "
+                                                                         "search.knobs.hardware.gpu knob (a trial's "
+                                                                         "GPU is one of the knob's names)")
+    expected = "a catalogue GPU name (servetune gpus); a GPU of your own can be a search.scenarios entry instead"
+    if not isinstance(knob.choices, (list, tuple)) or not knob.choices:
+        raise report.bad_value(f"{where}.choices", knob.choices, "a non-empty list of catalogue GPU names")
+    for value in knob.choices:
+        if not (isinstance(value, str) and not names_gpu_file(value) and catalogue_gpu(value) is not None):
+            raise report.bad_value(f"{where}.choices", value, expected)
+    if len(set(knob.choices)) != len(knob.choices):
+        raise report.bad_value(f"{where}.choices", knob.choices, "each value once")
+    return dataclasses.replace(knob, choices=tuple(knob.choices))
+
+
 def _check_knob(key: str, data: Any, report: _Reporter) -> KnobConfig:
     hint = _searchable_field(key, report)
     number = _rule(hint).type
@@ -1145,11 +1228,12 @@ def _check_knob(key: str, data: Any, report: _Reporter) -> KnobConfig:
     return knob
 
 
-def _check_knobs(data: Any, report: _Reporter) -> tuple:
+def _check_knobs(data: Any, config: Config, report: _Reporter) -> tuple:
     if not isinstance(data, dict) or not data:
         raise report.bad_value("search.knobs", data, "a mapping of knob to range or choices, such as "
                                                      "{scheduler.max_num_seqs: {low: 1, high: 512, log: true}}")
-    return tuple((str(key), _check_knob(str(key), spec, report)) for key, spec in data.items())
+    return tuple((str(key), _check_gpu_knob(spec, config, report) if str(key) == "hardware.gpu"
+                  else _check_knob(str(key), spec, report)) for key, spec in data.items())
 
 
 def _check_seeds(seeds: Any, report: _Reporter) -> tuple:
@@ -1191,15 +1275,17 @@ def _check_scenarios(config: Config, scenarios: Any, report: _Reporter, base_dir
             if not isinstance(key, str) or key.split(".")[0] == "search":
                 raise report.bad_value(where, key, "keys outside the search section, such as workload.arrivals.rate")
             _set_dotted(data, key, value)
-        _build_config(data, f"{report.source}: {where}", base_dir, _Reporter(f"{report.source}: {where}"))
-        checked.append(tuple((key, tuple(value) if isinstance(value, list) else value)
+        variant = _build_config(data, f"{report.source}: {where}", base_dir, _Reporter(f"{report.source}: {where}"))
+        # A GPU's file is read here, from the config's folder: the scenario keeps the definition it holds.
+        checked.append(tuple((key, variant.hardware.gpu if key == "hardware.gpu"
+                              else tuple(value) if isinstance(value, list) else value)
                              for key, value in scenario.items()))
     return tuple(checked)
 
 
 def _check_search(config: Config, report: _Reporter, base_dir: Path) -> SearchConfig:
     search = config.search
-    knobs = None if search.knobs is None else _check_knobs(search.knobs, report)
+    knobs = None if search.knobs is None else _check_knobs(search.knobs, config, report)
     for key, knob in knobs or ():
         if config.workload.sessions is not None and key in _CLOSED_LOOP_ONLY:
             allowed = _CLOSED_LOOP_ONLY[key]

@@ -8,6 +8,7 @@ catalogues start without them.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 from pathlib import Path
@@ -18,13 +19,14 @@ from rich.table import Table
 
 from servetune.config import HardwareConfig, SchedulerConfig
 from servetune.cost_models.catalog import resolve_gpu, resolve_model
-from servetune.cost_models.gpus import GIB, GPUS
+from servetune.cost_models.gpus import GIB, GPU_ALIASES, GPUS, GpuSpec
 from servetune.cost_models.memory import kv_capacity
-from servetune.cost_models.models import MODELS
+from servetune.cost_models.models import KV_CACHE_DTYPES, MODELS, QUANTIZATION_METHODS
 from servetune.errors import InvalidValue, UserError
 from servetune.paths import check_output_file
 
 DEFAULT_MODEL = "llama-2-7b"
+GPU_FLAG_HELP = "a catalogue GPU name (servetune gpus) or the path of a .yaml/.yml/.json file defining one"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -43,6 +45,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="steps of more tokens run eagerly, paying a launch cost per kernel; 0 = enforce_eager "
                            "(default: vLLM 0.33's, min(512, 2 x max_num_seqs, max_num_batched_tokens) = "
                            f"{_default_capture_size()})")
+    _add_precision(cost)
+    cost.add_argument("--enable-expert-parallel", action="store_true",
+                      help="MoE models: each GPU holds whole experts instead of a slice of each (vLLM's flag)")
+    cost.add_argument("--expert-load-imbalance", type=float, default=0.0, metavar="FRACTION",
+                      help="with --enable-expert-parallel: the busiest GPU gets this much more than its mean share "
+                           "of routed tokens (default 0: uniform routing)")
     cost.add_argument("--json", action="store_true", help="print one JSON object")
     cost.set_defaults(func=run_cost)
 
@@ -95,7 +103,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     fit.add_argument("--allreduce", type=Path, help="Vidur network all_reduce.csv")
     fit.add_argument("--cpu-overheads", type=Path, help="Vidur cpu_overheads.csv")
     fit.add_argument("--distserve", type=Path, help="DistServe profiler JSON (fitted step coefficients)")
-    fit.add_argument("--gpu", default="a100-80gb", help="the GPU the timings were measured on (default %(default)s)")
+    fit.add_argument("--gpu", default="a100-80gb",
+                     help=f"the GPU the timings were measured on: {GPU_FLAG_HELP} (default %(default)s)")
     fit.add_argument("--step-tp", type=int, default=1,
                      help="tensor parallelism of the whole steps assembled from the profiles (default %(default)s)")
     fit.add_argument("--folds", type=int, default=5, help="k of the k-fold accuracy report (default %(default)s)")
@@ -112,6 +121,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     gpus.set_defaults(func=run_gpus)
 
 
+def _resolve_gpu_flag(value: str) -> GpuSpec:
+    """``--gpu``: a catalogue name, or a file defining a GPU as ``hardware.gpu`` may (docs/config.md), read from
+    the current folder."""
+    from servetune.config_loader import names_gpu_file, read_gpu_file
+
+    if not names_gpu_file(value):
+        return resolve_gpu(value)
+    try:
+        return resolve_gpu(read_gpu_file(value))
+    except UserError as error:   # its lines start with the file's path
+        raise UserError(*(f"--gpu {line}" for line in error.lines)) from None
+
+
 def _default_capture_size() -> int:
     """vLLM 0.33's default max_cudagraph_capture_size at servetune's default scheduler limits (the same rule as
     ``roofline.vllm_cudagraph_capture_size``, repeated here so that ``--help`` does not import JAX)."""
@@ -119,15 +141,25 @@ def _default_capture_size() -> int:
     return min(512, 2 * scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
 
 
+def _add_precision(parser: argparse.ArgumentParser) -> None:
+    """vLLM's --quantization and --kv-cache-dtype, as the config's quantization and kv_cache_dtype keys."""
+    parser.add_argument("--quantization", choices=QUANTIZATION_METHODS,
+                        help="the weights' format when the model's config.json names none (fp8: quantised on "
+                             "loading; awq, gptq: a 4-bit checkpoint of the model); default: its config.json's")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                        help="the KV cache's dtype: auto is the model's (default %(default)s)")
+
+
 def _add_model_and_gpu(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help="catalogue name or path of a Hugging Face config.json (default %(default)s)")
-    parser.add_argument("--gpu", default=HardwareConfig().gpu, help="catalogue GPU name (default %(default)s)")
+    parser.add_argument("--gpu", default=HardwareConfig().gpu, help=f"{GPU_FLAG_HELP} (default %(default)s)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (default 1)")
 
 
 # The flag each value that the catalogue and the memory model check came from.
-FLAGS = {"model": "--model", "GPU": "--gpu", "gpu": "--gpu", "tp": "--tp",
+FLAGS = {"model": "--model", "GPU": "--gpu", "gpu": "--gpu", "tp": "--tp", "quantization": "--quantization",
+         "kv_cache_dtype": "--kv-cache-dtype", "expert_load_imbalance": "--expert-load-imbalance",
          "gpu_memory_utilization": "--gpu-memory-utilization", "block_size": "--block-size"}
 
 
@@ -152,7 +184,8 @@ def run_cost(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
     from servetune.cost_models.profile import find_profile, load_profile
-    from servetune.cost_models.roofline import HOST_PHASES, Calibration, build_roofline_params, step_costs
+    from servetune.cost_models.roofline import (HOST_PHASES, Calibration, build_roofline_params, experts_touched,
+                                                step_costs)
     from servetune.types import StepBatch
 
     for name in ("decode_batch", "context", "prefill_tokens"):
@@ -161,10 +194,15 @@ def run_cost(args: argparse.Namespace) -> int:
         raise UserError("an empty step: give --decode-batch and/or --prefill-tokens")
     capture = _default_capture_size() if args.max_cudagraph_capture_size is None else args.max_cudagraph_capture_size
     _non_negative("--max-cudagraph-capture-size", capture)
-    model, gpu = resolve_model(args.model), resolve_gpu(args.gpu)
+    model = resolve_model(args.model, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+    gpu = _resolve_gpu_flag(args.gpu)
+    if args.expert_load_imbalance and not args.enable_expert_parallel:
+        raise UserError("--expert-load-imbalance is for --enable-expert-parallel: under tensor parallelism every GPU "
+                        "holds a slice of every expert, so routing cannot overload one")
     calibration = load_profile(find_profile(args.profile))[0] if args.profile else Calibration()
     params = build_roofline_params(model, gpu, args.tp, calibration, async_scheduling=args.scheduling == "async",
-                                   cudagraph_capture_size=capture)
+                                   cudagraph_capture_size=capture, expert_parallel=args.enable_expert_parallel,
+                                   expert_load_imbalance=args.expert_load_imbalance)
     prefill = args.prefill_tokens
     batch = StepBatch(*(jnp.float32(x) for x in (
         1 if prefill else 0, prefill, prefill, prefill * prefill / 2,
@@ -195,13 +233,27 @@ def run_cost(args: argparse.Namespace) -> int:
                  "attention_flops": costs["attention_flops"], "allreduce_bytes": costs["allreduce_bytes"]},
         "bound": bound, "compute_bound_ms": 1e3 * costs["compute_bound_s"],
         "memory_bound_ms": 1e3 * costs["memory_bound_s"],
+        "precision": {"weights": "bf16" if model.quantization is None else model.quantization.describe,
+                      "kv_cache_dtype": model.kv_cache_dtype},
     }
+    if model.moe is not None:
+        # under uniform routing: the expected distinct experts the step's tokens go to (roofline.experts_touched)
+        touched = model.moe.num_experts * experts_touched(1 - model.moe.experts_per_token / model.moe.num_experts,
+                                                          tokens)
+        result["moe"] = {"experts": model.moe.num_experts, "experts_per_token": model.moe.experts_per_token,
+                         "moe_layers": model.moe.num_moe_layers, "experts_touched_per_layer": touched,
+                         "routed_weight_bytes": costs["routed_weight_bytes"],
+                         "expert_parallel": args.enable_expert_parallel,
+                         "total_params": model.total_params, "active_params": model.active_params}
     if args.json:
         print(json.dumps(result))
         return 0
     work = result["work"]
+    precision = "" if model.quantization is None and model.kv_cache_dtype == "auto" else \
+        f", weights {result['precision']['weights']}, KV {model.kv_cache_dtype}"
     table = Table(title=f"{model.name} on {gpu.name} × {args.tp}: one step of {args.decode_batch} decodes "
-                        f"(context {args.context}) + {prefill} prefill tokens, {args.scheduling} scheduling")
+                        f"(context {args.context}) + {prefill} prefill tokens, {args.scheduling} scheduling"
+                        f"{precision}")
     table.add_column("part")
     table.add_column("ms", justify="right")
     table.add_column("detail", justify="right")
@@ -210,6 +262,9 @@ def run_cost(args: argparse.Namespace) -> int:
     seqs = args.decode_batch + (1 if prefill else 0)
     rows = [("matmuls", ms["matmul"], f"{work['matmul_flops'] / 1e9:,.1f} GFLOP, "
                                       f"{work['weight_bytes'] / 1e9:,.2f} GB weights read"),
+            *([("  of which routed experts", None,
+                 f"{result['moe']['experts_touched_per_layer']:,.1f}/{model.moe.num_experts} experts a layer, "
+                 f"{costs['routed_weight_bytes'] / 1e9:,.2f} GB")] if model.moe is not None else []),
             ("attention: prefill", ms["attention_prefill"], ""),
             ("attention: decode", ms["attention_decode"], f"{work['kv_bytes_read'] / 1e9:,.3f} GB KV read, "
                                                           f"{work['attention_flops'] / 1e9:,.1f} GFLOP"),
@@ -217,7 +272,7 @@ def run_cost(args: argparse.Namespace) -> int:
             ("communication", ms["communication"], f"{work['allreduce_bytes'] / 1e9:,.3f} GB all-reduced"),
             ("kernel overheads", ms["kernel_overheads"], graph)]
     for name, seconds, detail in rows:
-        table.add_row(name, f"{1e3 * seconds:.3f}", detail)
+        table.add_row(name, "" if seconds is None else f"{1e3 * seconds:.3f}", detail)
     table.add_row("GPU", f"{result['gpu_ms']:.3f}", f"{bound}-bound", style="bold")
     host_rows = [("host: schedule", "schedule", f"{seqs} requests"),
                  ("host: prepare inputs", "prepare_inputs", f"{seqs} requests" + (", to TP" if args.tp > 1 else "")),
@@ -239,7 +294,7 @@ def run_cost(args: argparse.Namespace) -> int:
 
 @_named_by_flags
 def run_memory(args: argparse.Namespace) -> int:
-    model, gpu = resolve_model(args.model), resolve_gpu(args.gpu)
+    model, gpu = resolve_model(args.model), _resolve_gpu_flag(args.gpu)
     capacity = kv_capacity(model, gpu, args.tp, args.gpu_memory_utilization, args.block_size,
                            args.max_num_batched_tokens, args.max_num_seqs)
     result = {"model": model.name, "gpu": gpu.name, "tp": args.tp,
@@ -297,7 +352,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     if args.force or args.gpu_time_only or args.async_scheduling:
         raise UserError("--force, --gpu-time-only and --async-scheduling are for --steps")
     check_output_file(args.out, "--out")
-    gpu = resolve_gpu(args.gpu)
+    gpu = _resolve_gpu_flag(args.gpu)
     initial, initial_source = _initial_calibration(args, gpu, default_to_shipped=False)
     console = Console(stderr=True)
     result = calibrate(args.profiles, args.attention, args.allreduce, args.cpu_overheads, args.distserve, gpu,
@@ -377,7 +432,7 @@ def _run_calibrate_steps(args: argparse.Namespace) -> int:
             raise InvalidValue("--fit", args.fit, f"comma-separated names from {', '.join(PREFERENCE)}")
         names = list(dict.fromkeys(names))
     check_output_file(args.out, "--out")
-    model, gpu = resolve_model(args.model), resolve_gpu(args.gpu)
+    model, gpu = resolve_model(args.model), _resolve_gpu_flag(args.gpu)
     heads_per_gpu(model, args.tp)   # a TP degree that does not divide the heads is refused here, named --tp
     initial, initial_source = _initial_calibration(args, gpu, default_to_shipped=True)
     rows = read_steps_csv(args.steps)
@@ -439,15 +494,33 @@ def _print_steps_report(args: argparse.Namespace, result, initial_source: str, w
 
 
 def run_models(args: argparse.Namespace) -> int:
+    from servetune.cost_models.memory import kv_bytes_per_token
+
+    def experts(m) -> str:   # routed experts / experts per token (+ shared)
+        if m.moe is None:
+            return "-"
+        shared = f"+{m.moe.shared_intermediate_size // m.moe.expert_intermediate_size}" \
+            if m.moe.shared_intermediate_size else ""
+        return f"{m.moe.num_experts}/{m.moe.experts_per_token}{shared}"
+
     rows = [{"name": m.name, "layers": m.num_layers, "hidden": m.hidden_size, "heads": m.num_heads,
              "kv_heads": m.num_kv_heads, "head_dim": m.head_dim, "intermediate": m.intermediate_size,
              "vocab": m.vocab_size, "gated_mlp": m.gated_mlp, "params_b": round(m.total_params / 1e9, 2),
-             "max_model_len": m.max_model_len, "source": m.source} for m in MODELS.values()]
-    return _print_catalogue(args, rows, "models (--model also takes a config.json path; every field, sources "
-                                        "included, with --json)",
-                            ["name", "layers", "hidden", "heads", ("kv_heads", "kv\nheads"),
-                             ("intermediate", "MLP\nwidth"), ("params_b", "params\n(B)"),
-                             ("max_model_len", "context")])
+             "active_params_b": round(m.active_params / 1e9, 2), "max_model_len": m.max_model_len,
+             "heads_q_kv": f"{m.num_heads}/{m.num_kv_heads}", "experts": experts(m),
+             "moe": None if m.moe is None else dataclasses.asdict(m.moe),
+             "mla": None if m.mla is None else dataclasses.asdict(m.mla),
+             "local_attention": None if m.local_attention is None else dataclasses.asdict(m.local_attention),
+             "weights": "bf16" if m.quantization is None else m.quantization.method,
+             "quantization": None if m.quantization is None else dataclasses.asdict(m.quantization),
+             "kv_kib_per_token": round(kv_bytes_per_token(m, 1) / 1024, 2), "source": m.source}
+            for m in MODELS.values()]
+    return _print_catalogue(args, rows, "models: routed experts/per token (+shared), KV cache per token at TP 1 "
+                                        "(every layer; MLA's latent), weights as published; --model also takes a "
+                                        "config.json path; every field, sources included, with --json",
+                            ["name", "layers", "experts", ("params_b", "params\n(B)"),
+                             ("active_params_b", "active\n(B)"), ("kv_kib_per_token", "KV KiB\n/token"),
+                             ("max_model_len", "context"), "weights"], compact=True)
 
 
 def measured_profiles() -> dict[str, str]:
@@ -470,26 +543,40 @@ def measured_profiles() -> dict[str, str]:
 
 def run_gpus(args: argparse.Namespace) -> int:
     measured = measured_profiles()
-    rows = [{"name": g.name, "description": g.description, "bf16_tflops": g.peak_flops_per_s / 1e12,
-             "memory_gb_per_s": g.memory_bytes_per_s / 1e9, "memory_gib": g.memory_bytes / GIB,
-             "interconnect_gb_per_s": g.interconnect_bytes_per_s / 1e9, "interconnect": g.interconnect,
-             "source": g.source, "measured_profile": measured.get(g.name),
+    aliases: dict[str, list[str]] = {}
+    for alias, name in GPU_ALIASES.items():
+        aliases.setdefault(name, []).append(alias)
+
+    def in_units(value, unit):   # the datasheet's figure, without the float noise of scaling it
+        return None if value is None else round(value / unit, 6)
+
+    rows = [{"name": g.name, "description": g.description, "bf16_tflops": in_units(g.peak_flops_per_s, 1e12),
+             "fp8_tflops": in_units(g.peak_fp8_flops_per_s, 1e12),
+             "int8_tops": in_units(g.peak_int8_ops_per_s, 1e12),
+             "memory_gb_per_s": in_units(g.memory_bytes_per_s, 1e9), "memory_gib": in_units(g.memory_bytes, GIB),
+             "interconnect_gb_per_s": in_units(g.interconnect_bytes_per_s, 1e9), "interconnect": g.interconnect,
+             "source": g.source, "aliases": aliases.get(g.name, []), "measured_profile": measured.get(g.name),
              "step_costs": "measured" if g.name in measured else "datasheet"} for g in GPUS.values()]
-    return _print_catalogue(args, rows, "GPUs (dense BF16 tensor FLOP/s; sources in cost_models/gpus.py; step "
-                                        "costs: measured = a shipped calibrated profile, named with --json, "
-                                        "datasheet = the roofline on datasheet peaks)",
-                            ["name", ("bf16_tflops", "BF16\nTFLOP/s"), ("memory_gb_per_s", "memory\nGB/s"),
-                             ("memory_gib", "memory\nGiB"), ("interconnect_gb_per_s", "interconnect\nGB/s"),
-                             ("step_costs", "step\ncosts")])
+    return _print_catalogue(args, rows, "GPUs: dense tensor peaks (-: no such tensor cores), link per GPU both "
+                                        "ways; step costs: measured = a shipped calibrated profile (--json names "
+                                        "it), datasheet = the roofline on these peaks; sources in "
+                                        "cost_models/gpus.py; a GPU of your own: docs/config.md",
+                            ["name", ("bf16_tflops", "BF16\nTFLOPS"), ("fp8_tflops", "FP8\nTFLOPS"),
+                             ("int8_tops", "INT8\nTOPS"), ("memory_gib", "memory\nGiB"),
+                             ("memory_gb_per_s", "memory\nGB/s"), ("interconnect_gb_per_s", "link\nGB/s"),
+                             ("step_costs", "step\ncosts")], compact=True)
 
 
-def _print_catalogue(args: argparse.Namespace, rows: list[dict], title: str, columns: list) -> int:
+def _print_catalogue(args: argparse.Namespace, rows: list[dict], title: str, columns: list,
+                     compact: bool = False) -> int:
     """All fields as JSON, or a table of the ``columns`` that fit an 80-column terminal (a column is a key, or
-    a (key, header) pair; headers break over lines so that no value is cut)."""
+    a (key, header) pair; headers break over lines so that no value is cut; ``compact``: one rule under the header
+    and two spaces between columns, for tables too wide for boxes)."""
     if args.json:
         print(json.dumps(rows))
         return 0
-    table = Table(title=title)
+    table = Table(title=title, box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False) if compact \
+        else Table(title=title)
     headers = [column if isinstance(column, str) else column[1] for column in columns]
     columns = [column if isinstance(column, str) else column[0] for column in columns]
     for column, header in zip(columns, headers):

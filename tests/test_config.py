@@ -220,6 +220,10 @@ def test_message_names_file_field_value_and_expectation(tmp_path):
     assert str(raised.value) == f"{path}: scheduler.max_num_seqs: got -3, expected an integer in [1, 65536]"
 
 
+GPU_FORMS = ("a catalogue GPU name (servetune gpus), the path of a .yaml/.yml/.json file defining a GPU, or a mapping "
+             "{name, memory_gib, memory_gb_per_s, bf16_tflops, fp8_tflops, int8_tops, interconnect_gb_per_s}")
+
+
 @pytest.mark.parametrize(
     "section,field,value,expected",
     [
@@ -231,8 +235,8 @@ def test_message_names_file_field_value_and_expectation(tmp_path):
         ("slo", "ttft_ms", "fast", "got 'fast', expected a finite number in (0, 1e+11] or null"),
         ("slo", "ttft_ms", float("nan"), "got .nan, expected a finite number in (0, 1e+11] or null"),
         ("simulation", "horizon_s", float("inf"), "got .inf, expected a finite number in (0, 1e+08] or null"),
-        ("hardware", "gpu", 100, "got 100, expected a non-empty string"),
-        ("hardware", "gpu", "", "got '', expected a non-empty string"),
+        ("hardware", "gpu", 100, f"got 100, expected {GPU_FORMS}"),
+        ("hardware", "gpu", "", f"got '', expected {GPU_FORMS}"),
         # ranges
         ("hardware", "tp", 0, "got 0, expected an integer in [1, 1024]"),
         ("hardware", "gpu_memory_utilization", 0, "got 0, expected a finite number in (0, 1]"),

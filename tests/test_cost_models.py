@@ -134,7 +134,7 @@ def test_catalogues_are_complete_and_sane():
     assert resolve_gpu("H100").name == "h100-80gb" and resolve_gpu("a100").name == "a100-80gb"
     assert resolve_model("meta-llama/Llama-2-7b-hf") is MODELS["llama-2-7b"]
     assert resolve_model("codellama/CodeLlama-34b-Instruct-hf") is MODELS["codellama-34b"]
-    assert len(GPUS) == 11
+    assert len(GPUS) == 14   # B200, H20 and MI300X: tests/test_gpu_definitions.py checks their datasheet figures
 
 
 def test_catalogue_context_lengths_match_config_json():

@@ -55,7 +55,8 @@ def test_config_model_path_flows_through_the_factory():
 @pytest.mark.parametrize("file, message", [
     ("broken.json", "not valid JSON"),
     ("not-a-transformer.json", "num_hidden_layers / n_layer / num_layers: missing, expected a positive integer"),
-    ("mixtral.json", "mixture-of-experts"),
+    # an expert count without the experts each token goes to
+    ("mixtral.json", "num_experts_per_tok / experts_per_token / moe_top_k: missing, expected a positive integer"),
     ("missing.json", "missing.json: no such model config"),
     ("bad-context-length.json", "max_position_embeddings: got \"4k\", expected an integer in \\[2, 9007199254740992\\]"),
 ])
