@@ -78,6 +78,14 @@ NOTES = {
             "and the JAX run the other keys come from",
     "itl_percentiles": "pooled ITL percentiles come from the engine's log-spaced gap histogram (exact to ~0.5%); "
                        "mean and std are exact",
+    "servetune_slots": "with --save-detailed: the seats of the running batch over time, from the same reference "
+                       "run as itls: each interval is one request on one seat, prefilling (a prompt chunk or a "
+                       "recompute) or decoding, in the steps it was scheduled; seat_limit is max_num_seqs "
+                       "(batch_size for static batching), seats the most held at once (envs/timeline.py)",
+    "servetune_timeline": "with --save-detailed: waiting requests (the queue), running requests and KV blocks "
+                          "held, from the same reference run, in bins of bin_s seconds on the workload's clock "
+                          "from from_s to to_s: each bin's time-weighted mean and its maximum "
+                          "(envs/timeline.py)",
     "max_output_tokens_per_s": "vLLM's per-second bucketing (serve.py:700-753); without --save-detailed each "
                                "request's tokens are taken as evenly spaced between its first and last token, "
                                "with --save-detailed their exact times (itls) are used",
@@ -292,7 +300,8 @@ def vllm_result(workload: Workload, outcome: SimulationOutcome, metrics: dict, *
         result["itls_max_mismatch_s"] = float(np.abs(ttft + sums - latency)[ok].max()) if ok.any() else 0.0
     notes = dict(NOTES)
     if request_itls is None:
-        del notes["itls"]
+        for key in ("itls", "servetune_slots", "servetune_timeline"):
+            del notes[key]
     result["servetune_notes"] = notes
     return result
 

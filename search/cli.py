@@ -39,6 +39,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     tune.add_argument("--no-baselines", action="store_true", help="do not enqueue vLLM's defaults first")
     _add_study(tune, required=False)
     tune.add_argument("--no-progress", action="store_true", help="no progress bar")
+    tune.add_argument("--no-plots", action="store_true",
+                      help="do not write the optimisation history and Pareto front beside the storage file "
+                           "(<study>-history.png, <study>-pareto.png)")
     tune.add_argument("--json", action="store_true", help="print the best trial(s) and baselines as JSON")
     tune.set_defaults(func=run_tune)
 
@@ -99,6 +102,7 @@ def run_tune(args: argparse.Namespace) -> int:
     from servetune.search.evaluate import use_persistent_compilation_cache
     from servetune.objectives import parse_objectives
     from servetune.search.study.optimize import best_trials, run_study
+    from servetune.search.study.plots import file_stem, plot_paths, write_plots
 
     _positive("--trials", args.trials)
     _positive("--batch-size", args.batch_size)
@@ -113,21 +117,28 @@ def run_tune(args: argparse.Namespace) -> int:
     search = dataclasses.replace(config.search, **{k: v for k, v in changes.items() if v is not None})
     config = dataclasses.replace(config, search=search)
     name = args.study or Path(args.config).stem
+    plots = [] if args.no_plots else plot_paths(name, args.storage, len(config.search.objectives))
+    for path in plots:
+        check_output_file(path, "the study's plot (--no-plots writes none)")
     use_persistent_compilation_cache()
     study = run_study(config, name, args.storage, show_progress=not args.no_progress)
+    plots = write_plots(study, plots) if plots else []
     best = best_trials(study)
     baseline_trials = [t for t in study.get_trials(deepcopy=False) if "baseline" in t.user_attrs
                        and t.values is not None]
     if args.json:
         print(json.dumps({"study": name, "storage": args.storage or DEFAULT_STORAGE,
                           "best": [_trial_summary(t) for t in best],
-                          "baselines": [_trial_summary(t) for t in baseline_trials]}))
+                          "baselines": [_trial_summary(t) for t in baseline_trials],
+                          "plots": [str(path) for path in plots]}))
         return 0
     console = Console()
     _print_trials(console, study, best, baseline_trials)
-    console.print(f"export with: servetune export --study {name}"
-                  f"{'' if args.storage is None else ' --storage ' + args.storage} --engine vllm "
-                  f"--out {name}.vllm.yaml")
+    storage_flag = "" if args.storage is None else f" --storage {args.storage}"
+    if plots:
+        console.print(f"plots: {', '.join(str(path) for path in plots)}; with parameter importances, "
+                      f"interactive: servetune report --study {name}{storage_flag} --out {file_stem(name)}.html")
+    console.print(f"export with: servetune export --study {name}{storage_flag} --engine vllm --out {name}.vllm.yaml")
     return 0
 
 

@@ -75,6 +75,19 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_argument("--json", action="store_true", help="print the comparison as JSON instead of a table")
     compare.set_defaults(func=run_compare)
 
+    report = sub.add_parser("report", help="one self-contained HTML page of runs and/or a study: latency CDFs, "
+                                           "goodput by segment, queue and KV over time, the slot timeline")
+    report.add_argument("runs", nargs="*", type=Path, metavar="RUN.json",
+                        help="servetune simulate --out files (with --save-detailed for every panel) or vllm bench "
+                             "serve --save-result files; several are drawn side by side")
+    report.add_argument("--study", help="a study servetune tune made: adds its optimisation history, Pareto front, "
+                                        "parameter importances and its best trial's run")
+    report.add_argument("--storage", help="the study's Optuna storage (default results/studies.db)")
+    report.add_argument("--no-best-run", action="store_true",
+                        help="with --study: do not simulate the best trial again for its run's panels")
+    report.add_argument("--out", type=Path, default=Path("report.html"), help="the page (default %(default)s)")
+    report.set_defaults(func=run_report)
+
     cost_cli.register(sub)
     search_cli.register(sub)
     rl_cli.register(sub)
@@ -119,6 +132,19 @@ def run_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_report(args: argparse.Namespace) -> int:
+    from servetune.report import write_report
+
+    check_output_file(args.out, "--out")
+    page = write_report(args.out, args.runs, args.study, args.storage, with_best_run=not args.no_best_run)
+    for notice in page.notices:
+        print(f"servetune: note: {notice}", file=sys.stderr)
+    size_mb = args.out.stat().st_size / 1e6
+    Console().print(f"wrote {escape(str(args.out))} ({size_mb:.1f} MB, {sum(len(s.panels) for s in page.sections)} "
+                    f"panels): open it in a browser")
+    return 0
+
+
 def run_compare(args: argparse.Namespace) -> int:
     from servetune.envs.bench_result import comparison
 
@@ -158,7 +184,7 @@ def _print_report(console: Console, source: str, report,
     # Unset, max_model_len is what the KV cache holds (SchedulerConfig.model_len_limit).
     kv_bound = " (what the KV cache holds)" if scheduler.max_model_len is None else ""
     console.print(f"[bold]{source}[/bold]: {report.workload.description}; {config.model} on "
-                  f"{config.hardware.gpu} ×{config.hardware.tp}, {config.cost_model.kind} cost model, "
+                  f"{config.hardware.gpu_name} ×{config.hardware.tp}, {config.cost_model.kind} cost model, "
                   f"{scheduler.policy} batching, {'async' if scheduler.pipelined else 'synchronous'} scheduling, "
                   f"max_model_len {scheduler.model_len_limit}{kv_bound}")
 

@@ -120,11 +120,12 @@ def simulate_config(config: Config, window_s: Optional[float] = None,
     return RunReport(config, workload, outcome, metrics, segments, timing)
 
 
-def request_itls(report: RunReport) -> list[list[float]]:
-    """Each request's inter-token gaps (seconds, workload order), which the JAX engine does not keep: the
-    reference simulator (envs/sim/reference.py, the executable specification the differential tests hold the
-    engine to) runs the same workload, config and cost model. Its cost parameters are NumPy float32, as the
-    engine's, so the two agree to float32 rounding; ``vllm_result`` records the largest disagreement."""
+def reference_run(report: RunReport):
+    """The run again in the reference simulator (envs/sim/reference.py, the executable specification the
+    differential tests hold the engine to), same workload, config and cost model, for what the JAX engine does
+    not keep: each request's inter-token gaps (seconds, workload order) and the schedule step by step. Its cost
+    parameters are NumPy float32, as the engine's, so the two agree to float32 rounding; ``vllm_result``
+    records the largest disagreement. Returns the ``ReferenceDetail``."""
     import jax
     import numpy as np
 
@@ -137,7 +138,7 @@ def request_itls(report: RunReport) -> list[list[float]]:
     slos = per_request_slos(config, workload)
     return simulate_reference_detailed(
         workload, config.scheduler, lambda params, batch: float(jitted(params, batch)), cost_params,
-        config.simulation.horizon_s, slos.ttft_ms, rate_limited(workload, config.workload.tenants)).request_gaps
+        config.simulation.horizon_s, slos.ttft_ms, rate_limited(workload, config.workload.tenants))
 
 
 def run_document(report: RunReport, *, percentiles: Sequence[float] = DEFAULT_PERCENTILES,
@@ -145,20 +146,30 @@ def run_document(report: RunReport, *, percentiles: Sequence[float] = DEFAULT_PE
                  label: Optional[str] = None) -> dict:
     """run.json: the run as `vllm bench serve --save-result [--save-detailed]` writes it
     (``servetune.envs.vllm_format.vllm_result``), then servetune's own metrics, segments, timing, workload,
-    resolved config and software versions. ``percentiles`` must be those ``simulate_config`` computed."""
+    resolved config and software versions. ``percentiles`` must be those ``simulate_config`` computed.
+    ``save_detailed`` adds vLLM's per-request arrays and servetune's ``servetune_slots`` and
+    ``servetune_timeline`` (envs/timeline.py), all from one reference run (``reference_run``)."""
+    from servetune.envs.sim.simulator import prefix_cache_hits
+    from servetune.envs.timeline import schedule_timeline
     from servetune.envs.vllm_format import DEFAULT_PERCENTILE_METRICS, vllm_result
     from servetune.envs.metrics import statistics
     from servetune.versions import software_versions
 
     chosen = DEFAULT_PERCENTILE_METRICS if percentile_metrics is None else tuple(percentile_metrics)
+    detail = reference_run(report) if save_detailed else None
     vllm = vllm_result(report.workload, report.outcome, report.metrics, workload_config=report.config.workload,
                        slo=report.config.slo, model_id=str(report.config.model), label=label,
                        percentiles=percentiles, percentile_metrics=chosen,
-                       request_itls=request_itls(report) if save_detailed else None)
+                       request_itls=None if detail is None else detail.request_gaps)
+    timeline = {}
+    if detail is not None:
+        hits = prefix_cache_hits(report.workload, report.config.scheduler)
+        timeline = schedule_timeline(report.workload, report.config.scheduler, detail.outcome, detail.steps,
+                                     None if hits is None else hits.cached_tokens)
     # Latency statistics of the metrics left out of --percentile-metrics are left out, as vLLM leaves them.
     skipped = {f"{stat}_{name}_ms" for name in DEFAULT_PERCENTILE_METRICS if name not in chosen
                for stat in statistics(percentiles)}
     own = {key: value for key, value in report.metrics.items() if key not in vllm and key not in skipped}
-    return {**vllm, **own, "segments": report.segments, "timing": report.timing,
+    return {**vllm, **own, **timeline, "segments": report.segments, "timing": report.timing,
             "workload": report.workload.description, "config": report.config.to_dict(),
             "software": software_versions()}

@@ -24,15 +24,19 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("workload", ("servetune.envs.workload",)),
     ("simulator", ("servetune.envs.sim",)),
     # vLLM's result files: writing run.json in their shape, reading them back for `servetune compare`.
-    ("metrics", ("servetune.envs.metrics", "servetune.envs.vllm_format", "servetune.envs.bench_result")),
+    # envs.timeline: a run's seats, queue and KV cache over time, from the reference simulator's schedule.
+    ("metrics", ("servetune.envs.metrics", "servetune.envs.vllm_format", "servetune.envs.bench_result",
+                 "servetune.envs.timeline")),
     # Reading a config checks it against the catalogues and the workload's formats, then resolves it into
     # what the simulator runs (the KV-cache size vLLM would derive, vLLM's start-up refusals).
     ("config loading", ("servetune.config_loader", "servetune.pipeline", "servetune.vllm_defaults")),
     ("environments", ("servetune.envs.gym",)),
     ("search", ("servetune.search",)),
     # The Python API (servetune.api) is the command line's twin for scripts: it wraps what the commands call.
+    # servetune.report*: the HTML report of run.json files and studies (servetune report).
     ("command line", ("servetune.cli", "servetune.cli_args", "servetune.api", "servetune.cost_cli",
-                      "servetune.search.cli", "servetune.search.rl.cli")),
+                      "servetune.search.cli", "servetune.search.rl.cli", "servetune.report", "servetune.report_page",
+                      "servetune.report_runs", "servetune.report_study")),
 ]
 RANK = {name: rank for rank, (name, _) in enumerate(LAYERS)}
 
