@@ -3,8 +3,19 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
+import shutil
+import tempfile
 
-import jax
+# One on-disk cache of compiled XLA programs for the whole run, set before JAX is imported: the suite compiles
+# the same engine shapes in many tests, in each pytest-xdist worker and in the CLI subprocesses tests start, and a
+# cached program is the one a fresh compile would give. The first process (xdist's controller) makes the folder;
+# workers and subprocesses inherit it through the environment; the controller deletes it at the end.
+_OWNS_XLA_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if _OWNS_XLA_CACHE:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="servetune-tests-xla-")
+
+import jax  # noqa: E402  (after the cache folder is set)
 import numpy as np
 import pytest
 
@@ -21,6 +32,11 @@ def _free_compiled_executables():
     yield
     jax.clear_caches()
     gc.collect()
+
+
+def pytest_sessionfinish(session):
+    if _OWNS_XLA_CACHE:
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 def scheduler_config(**overrides) -> SchedulerConfig:
