@@ -11,7 +11,8 @@ Measures, after compilation (compile time reported apart):
   4. the whole CLI run end to end (start-up and compilation included);
   5. closed-loop agent sessions (examples/scenarios/agent_tool_calls.yaml) against the same calls replayed
      open-loop at the times they arrived: what releasing calls from completions costs;
-and says where the time goes: loop iterations per request and microseconds per iteration.
+and says where the time goes: loop iterations per request, microseconds per iteration and the kernels XLA
+runs per iteration (docs/engine.md, "What a loop iteration costs").
 The machine is shared: compare ratios measured in one run, not absolute numbers across runs.
 """
 from __future__ import annotations
@@ -19,10 +20,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import jax
 import numpy as np
@@ -44,9 +47,26 @@ CONFIG = ROOT / "examples" / "azure_conv.yaml"
 SESSIONS_CONFIG = ROOT / "examples" / "scenarios" / "agent_tool_calls.yaml"
 
 
+# Instructions that XLA's CPU runtime runs as a kernel of their own (fusions hold the rest).
+_KERNEL = re.compile(r"= [^=]*? (fusion|copy|conditional|while|custom-call|sort|scatter|gather|reduce|dot)\(")
+
+
+def _loop_kernels(compiled) -> Optional[int]:
+    """Kernels in the body of the engine's while loop (not counting those inside its conditionals): the
+    cost of an iteration is mostly a fixed dispatch per kernel, so this count tracks speed without the
+    noise of a shared machine. None if the optimised HLO has no such loop."""
+    text = compiled.as_text()
+    entry = text[text.find("\nENTRY"):]
+    body = re.search(r" while\(.*?body=%([^,\s]+)", entry)
+    if body is None:
+        return None
+    start = text.find(f"\n%{body.group(1)} ")
+    return sum(1 for line in text[start:text.find("\n}", start)].splitlines() if _KERNEL.search(line))
+
+
 def _timed_single(workload, config, slot_sizes=None):
-    """(compile s, best-of-2 simulate s, iterations, steps, slots) for one config, growing the slot table
-    as simulate does (or trying only `slot_sizes`)."""
+    """(compile s, best-of-2 simulate s, iterations, steps, slots, kernels per loop iteration) for one config,
+    growing the slot table as simulate does (or trying only `slot_sizes`)."""
     cost_fn, cost_params = build_cost_model(config)
     params = engine_params(config.scheduler, cost_params, None, iteration_guard(workload))
     trace = device_trace(workload)
@@ -63,7 +83,7 @@ def _timed_single(workload, config, slot_sizes=None):
         sim_s += min(runs)
         if not bool(state.slots_filled):
             break
-    return compile_s, sim_s, int(state.iterations), int(state.steps), num_slots
+    return compile_s, sim_s, int(state.iterations), int(state.steps), num_slots, _loop_kernels(compiled)
 
 
 # The overloaded variant: the same trace with dearer steps and a small cache (see the docstring).
@@ -122,18 +142,18 @@ def main() -> None:
     workload = build_workload(config.workload)
     n = workload.num_requests
 
-    compile_s, sim_s, iterations, steps, slots = _timed_single(workload, config)
+    compile_s, sim_s, iterations, steps, slots, kernels = _timed_single(workload, config)
     overloaded = _overloaded(config)
-    o_compile_s, o_sim_s, o_iterations, o_steps, o_slots = _timed_single(workload, overloaded)
+    o_compile_s, o_sim_s, o_iterations, o_steps, o_slots, o_kernels = _timed_single(workload, overloaded)
     cost_fn, cost_params = build_cost_model(overloaded)
     o_metrics = compute_metrics(workload, simulate_workload(workload, overloaded.scheduler, cost_fn, cost_params),
                                 per_request_slos(overloaded, workload), overloaded.scheduler.num_kv_blocks)
     roofline = dataclasses.replace(config, cost_model=dataclasses.replace(config.cost_model, kind="roofline"))
-    r_compile_s, r_sim_s, _, r_steps, r_slots = _timed_single(workload, roofline)
+    r_compile_s, r_sim_s, _, r_steps, r_slots, _ = _timed_single(workload, roofline)
     # The cost model's own price: both models at the same slot count (the roofline's slower steps raise
     # concurrency, which may grow its table).
-    _, r_equal_s, _, _, _ = _timed_single(workload, roofline, [r_slots])
-    _, l_equal_s, _, _, _ = _timed_single(workload, config, [r_slots])
+    _, r_equal_s, _, _, _, _ = _timed_single(workload, roofline, [r_slots])
+    _, l_equal_s, _, _, _, _ = _timed_single(workload, config, [r_slots])
 
     schedulers = _many_configs(config.scheduler, args.configs)
     cost_fn, cost_params = build_cost_model(config)
@@ -156,10 +176,12 @@ def main() -> None:
     print(f"| one config: compile | {compile_s:.2f} s |")
     print(f"| one config: slot table | {slots} slots (max_num_seqs {config.scheduler.max_num_seqs}) |")
     print(f"| one config: loop iterations | {iterations:,} ({iterations / n:.2f} per request, "
-          f"{steps / iterations:.1f} engine steps each), {sim_s / iterations * 1e6:.0f} µs per iteration |")
+          f"{steps / iterations:.1f} engine steps each), {sim_s / iterations * 1e6:.0f} µs per iteration, "
+          f"{kernels} kernels in the loop body |")
     print(f"| overloaded (steps ×{OVERLOAD_COST_FACTOR}, {OVERLOAD_KV_BLOCKS:,} KV blocks): simulate | "
           f"{o_sim_s:.2f} s → {n / o_sim_s:,.0f} requests/s: **{o_sim_s / sim_s:.2f}× the shipped config** "
-          f"({o_iterations:,} iterations, {o_steps:,} steps, {o_slots} slots, compile {o_compile_s:.2f} s) |")
+          f"({o_iterations:,} iterations, {o_steps:,} steps, {o_slots} slots, {o_kernels} kernels in the loop body, "
+          f"compile {o_compile_s:.2f} s) |")
     print(f"| overloaded: what it simulates | p99 TTFT {o_metrics['p99_ttft_ms'] / 1e3:,.1f} s, "
           f"{o_metrics['preemptions']:,} preemptions, mean {o_metrics['mean_requests_in_system']:,.0f} requests "
           f"in the system, KV {o_metrics['mean_kv_utilization']:.0%} full |")

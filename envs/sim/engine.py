@@ -38,6 +38,7 @@ differences, which are accurate.
 """
 from __future__ import annotations
 
+import math
 from functools import lru_cache, partial
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -234,8 +235,8 @@ def _iteration(trace, params, state, cost_fn, num_slots, queue: "WaitingQueue"):
     state, slots, tokens, end = queue.close_gaps(state, passed.slots, tokens, preempted, passed.end)
     state = replace(state, num_running=end)
     # -- 4. waiting pass (rule 3): admissions from the queue's front, while budget, seats and blocks last ---
-    budget_left = params.max_num_batched_tokens - jnp.sum(tokens)
-    allowed = active & ~params.static_batching & ~jnp.any(preempted)
+    budget_left = params.max_num_batched_tokens - _sum(tokens)
+    allowed = active & ~params.static_batching & ~_any(preempted)
     state, slots, admitted_tokens, admitted, free = _waiting_pass(
         trace, params, state, front, slots, budget_left, passed.free, allowed, num_slots, cap, queue)
     tokens = tokens + admitted_tokens
@@ -245,7 +246,7 @@ def _iteration(trace, params, state, cost_fn, num_slots, queue: "WaitingQueue"):
     state = replace(state, slots=slots, num_running=end + admitted, free_blocks=free)
 
     # -- 6. the scheduled step and the run of steps of its shape after it (else 5. idle) -----------------
-    busy = jnp.any(tokens > 0)
+    busy = _any(tokens > 0)
     front_blocks = queue.front_blocks(params, front, admitted, preempted, num_slots)
     stepped = _advance(trace, params, state, slots, tokens, cost_fn, num_slots, queue, front_blocks)
     # A decision taken a step early that schedules nothing is taken again now, on what this boundary sees
@@ -270,18 +271,87 @@ def _iteration(trace, params, state, cost_fn, num_slots, queue: "WaitingQueue"):
 # Small array helpers
 # ---------------------------------------------------------------------------------------------
 def _ceil_div(a, b):
-    return (a + b - 1) // b
+    """ceil(a / b) for a >= 0, b >= 1 (token and block counts). lax.div truncates, which for these is the floor
+    that ``//`` computes with a second division (a remainder) to correct negative quotients."""
+    return jax.lax.div(a + b - 1, b)
+
+
+# Above this length `_prefix_sums` falls back to XLA's scan (its blocked masks grow as length ** 1.5).
+BLOCKED_SCAN_MAX = 1024
+
+
+def _prefix_sums(x):
+    """Inclusive prefix sums along axis 0 of an integer array (exact in any order, so blocked: `_blocked_scan`)."""
+    return _blocked_scan(x, jnp.sum, 0, jnp.cumsum)
+
+
+def _blocked_scan(x, reduce, identity, fallback):
+    """An inclusive scan along axis 0 with `reduce` (jnp.sum or jnp.max), for operations exact in any order:
+    XLA's CPU scan is a reduce-window chain of four or five kernels, two to five times the cost of this on
+    the engine's short arrays. Each entry reduces its block of b up to itself through a b x b triangular
+    mask, then the results of the blocks before it through a second mask: length x b + (length / b) ** 2
+    terms, least near b = cbrt(2 x length) (measured: b = 8 for 64 and 256 entries, 16 for 1,024). Above
+    BLOCKED_SCAN_MAX entries `fallback`, XLA's own scan."""
+    n = x.shape[0]
+    if n > BLOCKED_SCAN_MAX:
+        return fallback(x, axis=0)
+    b = 1 << max(0, math.ceil(math.log2((2 * n) ** (1 / 3))))
+    rows = -(-n // b)
+    padded = jnp.pad(x, [(0, rows * b - n)] + [(0, 0)] * (x.ndim - 1), constant_values=identity)
+    padded = padded.reshape((rows, b) + x.shape[1:])
+    trailing = (1,) * (x.ndim - 1)
+    upto = (jnp.arange(b)[:, None] >= jnp.arange(b)[None, :]).reshape((1, b, b) + trailing)
+    within = reduce(jnp.where(upto, padded[:, None], identity), axis=2)                   # [rows, b, ...]
+    before = (jnp.arange(rows)[:, None] > jnp.arange(rows)[None, :]).reshape((rows, rows) + trailing)
+    earlier = reduce(jnp.where(before, within[None, :, b - 1], identity), axis=1)          # [rows, ...]
+    combined = within + earlier[:, None] if reduce is jnp.sum else jnp.maximum(within, earlier[:, None])
+    return combined.reshape((rows * b,) + x.shape[1:])[:n]
 
 
 def _exclusive_cumsum(x):
-    return jnp.cumsum(x) - x
+    return _prefix_sums(x) - x
+
+
+# XLA's CPU compiler splits a reduction over more than this many entries into a reduce-window over blocks of
+# this size and a reduction of the blocks' results: three kernels (with the reduced expression's) for one,
+# and the engine sums many 64-entry arrays per loop iteration.
+XLA_REDUCTION_BLOCK = 32
+
+
+def _reduce(x, reduce, combine):
+    """``reduce(x, axis=0)`` (`reduce` jnp.sum, jnp.min or jnp.any; `combine` the same operation on two arrays) in
+    one kernel: it reduces the 32-entry blocks itself, as XLA's split would, and combines the few block
+    results in order where they are used. Integer and boolean results are exact in any order. A float sum
+    is the same sequence of additions, but how XLA fuses its terms may round them differently: where it
+    feeds the schedule (the step batch) it was checked bit-identical to jnp.sum on whole runs."""
+    n, block = x.shape[0], XLA_REDUCTION_BLOCK
+    if n <= block or n % block or n // block > block:
+        return reduce(x, axis=0)
+    blocks = reduce(x.reshape((n // block, block) + x.shape[1:]), axis=1)
+    out = blocks[0]
+    for b in range(1, n // block):
+        out = combine(out, blocks[b])
+    return out
+
+
+def _sum(x):
+    """The sum along axis 0 (booleans counted as int32); `jnp.stack` several along axis 1 to sum them at once."""
+    return _reduce(x.astype(i32) if x.dtype == bool else x, jnp.sum, jnp.add)
+
+
+def _any(x):
+    return _reduce(x, jnp.any, jnp.logical_or)
+
+
+def _min(x):
+    return _reduce(x, jnp.min, jnp.minimum)
 
 
 def _prefix_and(mask):
-    """True up to (not including) the first False. (Found with one reduction: a cumsum is several kernels.)"""
+    """True up to (not including) the first False: below the first False's position, one reduction."""
     n = mask.shape[0]
-    first_false = jnp.where(jnp.all(mask), n, jnp.argmax(~mask))
-    return jnp.arange(n) < first_false
+    position = jnp.arange(n, dtype=i32)
+    return position < _min(jnp.where(mask, n, position))
 
 
 def _itl_bin(gap):
@@ -292,6 +362,27 @@ def _itl_bin(gap):
 def _set_where(array, index, value, mask):
     """array[index] = value where mask; masked-off rows are dropped, not written."""
     return array.at[jnp.where(mask, index, array.shape[0])].set(value, mode="drop")
+
+
+def _when(pred, branch: Callable, carry, *inputs):
+    """``branch(carry, *inputs)`` where `pred`, else `carry` unchanged; `branch` must itself leave `carry`
+    unchanged when `pred` is False (its writes all masked by what `pred` sums up).
+
+    A phase that rarely does anything costs its kernels on every loop iteration, so a single run skips
+    them with a lax.cond. Batched runs (vmapped over configs) run the branch for every config instead:
+    there a lax.cond with a per-config predicate computes both sides and selects the whole carry, request
+    table included, per config and iteration."""
+    @custom_vmap
+    def skippable(pred, carry, inputs):
+        return jax.lax.cond(pred, lambda c, i: branch(c, *i), lambda c, i: c, carry, inputs)
+
+    @skippable.def_vmap
+    def every_config(axis_size, in_batched, pred, carry, inputs):
+        axes = jax.tree_util.tree_map(lambda batched: 0 if batched else None, tuple(in_batched[1:]))
+        out = jax.vmap(lambda c, i: branch(c, *i), in_axes=axes, axis_size=axis_size)(carry, inputs)
+        return out, jax.tree_util.tree_map(lambda _: True, out)
+
+    return skippable(pred, carry, inputs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -569,7 +660,7 @@ class RingQueue(WaitingQueue):
         at = jnp.minimum(admitted, num_slots - 1)
         length = front.rows.prompt[at] + front.rows.generated[at]
         chunk = jnp.where(params.reserve_full_prompt, length, front.rows.computed[at] + 1)
-        return jnp.where(front.valid[at] & (admitted < num_slots) & ~jnp.any(preempted),
+        return jnp.where(front.valid[at] & (admitted < num_slots) & ~_any(preempted),
                          _ceil_div(chunk, params.block_size) + params.watermark_blocks, 0)
 
     def ends_run(self, admits, seat, arrived, members, num_running):
@@ -678,15 +769,19 @@ def _queue_front(trace: Trace, params: EngineParams, state: EngineState, arrived
     from_ring = state.queue[(state.queue_head + k) % n]
     from_arrivals = arrived.ids[jnp.clip(k - older, 0, ARRIVALS_PER_ITERATION - 1)]
     ids = jnp.where(valid, jnp.where(k < older, from_ring, from_arrivals), 0)
+    return Front(_request_rows(trace, params, state, ids), valid)
+
+
+def _request_rows(trace: Trace, params: EngineParams, state: EngineState, ids) -> Slots:
+    """Requests `ids` as would-be slot rows, read from the workload and the request table (no blocks yet:
+    the admitting caller sets them; a scored queue adds tenant and rank)."""
     req = state.requests
     since_last = df_sub(state.clock_hi, state.clock_lo, req.last_emit_hi[ids], req.last_emit_lo[ids])
-    rows = Slots(
+    return Slots(
         req=ids, prompt=trace.prompt[ids], output=_max_tokens(trace, params, ids),
-        computed=_cached(params, ids), generated=req.generated[ids],
-        blocks=jnp.zeros(num_slots, i32),  # set by the admitting caller
-        gap=since_last, max_gap=req.max_gap[ids], sum_sq_gap=req.sum_sq_gap[ids], leaving=jnp.zeros(num_slots, bool),
+        computed=_cached(params, ids), generated=req.generated[ids], blocks=jnp.zeros(ids.shape, i32),
+        gap=since_last, max_gap=req.max_gap[ids], sum_sq_gap=req.sum_sq_gap[ids], leaving=jnp.zeros(ids.shape, bool),
     )
-    return Front(rows, valid)
 
 
 def _write_queue(trace, queue, arrived: Arrived, victims, requeued, victims_head):
@@ -751,15 +846,7 @@ def _pool_front(trace: Trace, params: EngineParams, state: EngineState, num_slot
     neg_score, at = jax.lax.top_k(-score, num_slots)
     valid = jnp.arange(num_slots, dtype=i32) < state.queue_len
     ids = jnp.where(valid, state.queue[at], 0)
-    req = state.requests
-    since_last = df_sub(state.clock_hi, state.clock_lo, req.last_emit_hi[ids], req.last_emit_lo[ids])
-    rows = Slots(
-        req=ids, prompt=trace.prompt[ids], output=_max_tokens(trace, params, ids),
-        computed=_cached(params, ids), generated=req.generated[ids],
-        blocks=jnp.zeros(num_slots, i32),
-        gap=since_last, max_gap=req.max_gap[ids], sum_sq_gap=req.sum_sq_gap[ids], leaving=jnp.zeros(num_slots, bool),
-        tenant=trace.tenant[ids], rank=-neg_score,
-    )
+    rows = replace(_request_rows(trace, params, state, ids), tenant=trace.tenant[ids], rank=-neg_score)
     return Front(rows, valid, at)
 
 
@@ -855,12 +942,19 @@ def _cached(params: EngineParams, ids):
     return params.cached_tokens[ids]
 
 
-def _place_admitted(slots: Slots, start, count, rows: Slots) -> Slots:
-    """Slots [start, start + count) take rows [0, count) of the admitted candidates."""
+def _place_admitted(trace, params, state, slots: Slots, start, count, front: Front, blocks) -> Slots:
+    """Slots [start, start + count) take the front's candidates [0, count), holding `blocks` (per candidate).
+
+    Each field is read from the request table at its slot's candidate: one gather per field, where moving
+    the front's rows would gather twice. (`state` must be the one the front was read from, or one whose
+    request table differs only in requests that are not admitted.)"""
     pos = jnp.arange(slots.req.shape[0], dtype=i32)
     src = jnp.clip(pos - start, 0, pos.shape[0] - 1)
     take = (pos >= start) & (pos < start + count)
-    return jax.tree_util.tree_map(lambda old, new: jnp.where(take, new[src], old), slots, rows)
+    rows = replace(_request_rows(trace, params, state, front.rows.req[src]), blocks=blocks[src])
+    if front.rows.tenant is not None:
+        rows = replace(rows, tenant=front.rows.tenant[src], rank=front.rows.rank[src])
+    return jax.tree_util.tree_map(lambda old, new: jnp.where(take, new, old), slots, rows)
 
 
 def _long_prefill_cap(params, num_in_system):
@@ -895,25 +989,33 @@ def _static_timeout(trace, params, state, front: Slots):
 
 
 def _form_static_batch(trace, params, state, front: Front, timeout, num_slots, queue: "WaitingQueue"):
-    """Static batching: when idle and the queue is full or old enough, a whole batch starts at once."""
-    rows, valid = front.rows, front.valid
+    """Static batching: when idle and the queue is full or old enough, a whole batch starts at once.
+
+    Most boundaries form no batch (every one under continuous batching), so the batch is built under a
+    lax.cond whose other branch does nothing: its kernels run only where one forms. Only the slot table
+    goes through the branch."""
     timeout_hi, timeout_lo = timeout
     trigger = (
         params.static_batching & (state.num_running == 0) & (state.queue_len > 0)
         & ((state.queue_len >= params.batch_size) | df_le(timeout_hi, timeout_lo, state.clock_hi, state.clock_lo))
     )
-    blocks = _ceil_div(rows.prompt + rows.generated, params.block_size)
-    k = jnp.arange(num_slots, dtype=i32)
-    watermark = jnp.where(k > 0, params.watermark_blocks, 0)   # as admissions: headroom for those already in
-    fits = state.free_blocks - jnp.cumsum(jnp.where(valid, blocks, 0)) >= watermark
-    take = _prefix_and(valid & (k < params.batch_size) & fits) & trigger
-    count = jnp.sum(take, dtype=i32)
-    rows = replace(rows, blocks=blocks)
-    state = replace(state,
-        slots=_place_admitted(state.slots, state.num_running, count, rows),
-        num_running=state.num_running + count,
-        free_blocks=state.free_blocks - jnp.sum(jnp.where(take, blocks, 0)),
-    )
+
+    def form(slots):
+        rows, valid = front.rows, front.valid
+        blocks = _ceil_div(rows.prompt + rows.generated, params.block_size)
+        k = jnp.arange(num_slots, dtype=i32)
+        watermark = jnp.where(k > 0, params.watermark_blocks, 0)   # as admissions: headroom for those already in
+        fits = state.free_blocks - _prefix_sums(jnp.where(valid, blocks, 0)) >= watermark
+        take = _prefix_and(valid & (k < params.batch_size) & fits)
+        count = jnp.sum(take, dtype=i32)
+        slots = _place_admitted(trace, params, state, slots, state.num_running, count, front, blocks)
+        return slots, count, jnp.sum(jnp.where(take, blocks, 0))
+
+    def none(slots):
+        return slots, jnp.asarray(0, i32), jnp.asarray(0, i32)
+
+    slots, count, blocks = jax.lax.cond(trigger, form, none, state.slots)
+    state = replace(state, slots=slots, num_running=state.num_running + count, free_blocks=state.free_blocks - blocks)
     return queue.pop_front(trace, state, count), count
 
 
@@ -933,24 +1035,36 @@ def _running_pass(params, state, num_slots, cap):
                                             admitting=False)
     in_pass = running & fits_budget
     extra = jnp.where(in_pass, jnp.maximum(_ceil_div(s.computed + tokens, params.block_size) - s.blocks, 0), 0)
-    demand = jnp.cumsum(extra)
-    held = jnp.where(running, s.blocks, 0)
-    held_from = jnp.concatenate([jnp.cumsum(held[::-1])[::-1], jnp.zeros(1, i32)])  # held by positions >= p
-    shortfall = demand - state.free_blocks
-    # held_from is non-increasing, so "positions p >= 1 with held_from[p] >= shortfall" is a prefix whose
-    # length a binary search finds (an all-pairs comparison costs slots^2 per step).
-    end_after = jnp.minimum(state.num_running,
-                            jnp.searchsorted(-held_from[1:], -shortfall, side="right", method="scan_unrolled"))
-    scheduled = _prefix_and(in_pass & (end_after > pos))
-    count = jnp.sum(scheduled, dtype=i32)
-    last = jnp.maximum(count - 1, 0)
-    end_before_stop = jnp.where(count > 0, end_after[last], state.num_running)
-    at_stop = jnp.minimum(count, num_slots - 1)
-    # The pass stopped at `count` either for the budget (nothing more preempted) or because the
-    # allocation there failed, which preempts every request from the back down to `count` itself.
-    allocation_failed = (count < state.num_running) & in_pass[at_stop] & (end_after[at_stop] <= count)
-    end = jnp.where(allocation_failed, jnp.minimum(end_before_stop, count), end_before_stop)
-    free = state.free_blocks + held_from[end] - jnp.where(count > 0, demand[last], 0)
+
+    def preempting():
+        demand = _prefix_sums(extra)
+        held = jnp.where(running, s.blocks, 0)
+        held_from = jnp.concatenate([_suffix_sums(held), jnp.zeros(1, i32)])  # held by positions >= p
+        shortfall = demand - state.free_blocks
+        # held_from is non-increasing, so the positions p >= 1 with held_from[p] >= shortfall are a prefix:
+        # the running set's end after position i is its length (at most num_running), and it lies beyond i
+        # exactly when held_from[i + 1] covers the shortfall. Its length itself is needed at two positions.
+        def end_after(i):
+            return jnp.minimum(state.num_running, _sum(held_from[1:] >= shortfall[i]))
+
+        scheduled = _prefix_and(in_pass & (held_from[1:] >= shortfall))
+        count = jnp.sum(scheduled, dtype=i32)
+        last = jnp.maximum(count - 1, 0)
+        end_before_stop = jnp.where(count > 0, end_after(last), state.num_running)
+        at_stop = jnp.minimum(count, num_slots - 1)
+        # The pass stopped at `count` either for the budget (nothing more preempted) or because the
+        # allocation there failed, which preempts every request from the back down to `count` itself.
+        allocation_failed = (count < state.num_running) & in_pass[at_stop] & (end_after(at_stop) <= count)
+        end = jnp.where(allocation_failed, jnp.minimum(end_before_stop, count), end_before_stop)
+        return scheduled, end, state.free_blocks + held_from[end] - jnp.where(count > 0, demand[last], 0)
+
+    def fitting():
+        # Every allocation fits (no prefix of the demand exceeds the free blocks): the pass schedules every
+        # request it reaches (`in_pass` is a prefix) and preempts none.
+        return in_pass, state.num_running, state.free_blocks - _sum(extra)
+
+    # A shortfall is rare: a lax.cond runs the preemption search's kernels only when there is one.
+    scheduled, end, free = jax.lax.cond(_sum(extra) > state.free_blocks, preempting, fitting)
     tokens = jnp.where(scheduled, tokens, 0)
     slots = replace(s, blocks=s.blocks + jnp.where(scheduled, extra, 0))
     preempted = running & (pos >= end)
@@ -1032,26 +1146,30 @@ def _kept_slots(slots: Slots, keep, num_slots: int) -> tuple[Slots, jnp.ndarray]
 def _requeue_preempted(trace, params, state, slots, preempted, queue: "WaitingQueue"):
     """Victims go to the front of the fcfs queue in admission order (into a scored pool at their places),
     keeping what they emitted. A leaving victim has completed (vLLM delivers its last token as stale output
-    and finishes it from the queue): it only counts the preemption.
+    and finishes it from the queue): it only counts the preemption. Preemptions are rare: the writes run
+    only where there are victims (`_when`).
 
     `preempted` must already be False everywhere in an iteration that does not step the engine: the
     queue and request table are only ever written through masked scatters, never selected whole. The
     queue is written once per iteration, by `WaitingQueue.commit`; here only its head moves.
     """
-    n = trace.prompt.shape[0]
-    requeued = preempted & ~slots.leaving
-    state = queue.requeue(trace, params, state, slots.req, requeued)
-    last_hi, last_lo = df_add(state.clock_hi, state.clock_lo, -slots.gap)
-    req = state.requests
-    req = replace(req,
-        generated=_set_where(req.generated, slots.req, slots.generated, requeued),
-        preemptions=req.preemptions.at[jnp.where(preempted, slots.req, n)].add(1, mode="drop"),
-        max_gap=_set_where(req.max_gap, slots.req, slots.max_gap, requeued),
-        sum_sq_gap=_set_where(req.sum_sq_gap, slots.req, slots.sum_sq_gap, requeued),
-        last_emit_hi=_set_where(req.last_emit_hi, slots.req, last_hi, requeued),
-        last_emit_lo=_set_where(req.last_emit_lo, slots.req, last_lo, requeued),
-    )
-    return replace(state, requests=req)
+    def requeue(state, trace, params, slots, preempted):
+        n = trace.prompt.shape[0]
+        requeued = preempted & ~slots.leaving
+        state = queue.requeue(trace, params, state, slots.req, requeued)
+        last_hi, last_lo = df_add(state.clock_hi, state.clock_lo, -slots.gap)
+        req = state.requests
+        req = replace(req,
+            generated=_set_where(req.generated, slots.req, slots.generated, requeued),
+            preemptions=req.preemptions.at[jnp.where(preempted, slots.req, n)].add(1, mode="drop"),
+            max_gap=_set_where(req.max_gap, slots.req, slots.max_gap, requeued),
+            sum_sq_gap=_set_where(req.sum_sq_gap, slots.req, slots.sum_sq_gap, requeued),
+            last_emit_hi=_set_where(req.last_emit_hi, slots.req, last_hi, requeued),
+            last_emit_lo=_set_where(req.last_emit_lo, slots.req, last_lo, requeued),
+        )
+        return replace(state, requests=req)
+
+    return _when(_any(preempted), requeue, state, trace, params, slots, preempted)
 
 
 def _waiting_pass(trace, params, state, front: Front, slots, budget_left, free, allowed, num_slots, cap,
@@ -1075,14 +1193,14 @@ def _waiting_pass(trace, params, state, front: Front, slots, budget_left, free, 
     fits_blocks = whole_prompt_fits & (blocks + watermark <= free_before)
     seats = (state.num_running + k < params.max_num_seqs) & (state.num_running + k < num_slots)
     admit = _prefix_and(valid & seats & fits_budget & fits_blocks) & allowed
-    count = jnp.sum(admit, dtype=i32)
-    rows = replace(rows, blocks=blocks)
-    slots = _place_admitted(slots, state.num_running, count, rows)
+    count = _sum(admit)
+    # Nothing was preempted if any is admitted: the request table still holds what the front read.
+    slots = _place_admitted(trace, params, state, slots, state.num_running, count, front, blocks)
     # Candidate k now sits in slot num_running + k; slot p takes candidate p - num_running's tokens.
     admitted_tokens = jnp.where((k >= state.num_running) & (k < state.num_running + count),
                                 tokens[jnp.clip(k - state.num_running, 0, num_slots - 1)], 0)
     state = queue.pop_front(trace, state, count)
-    return state, slots, admitted_tokens, count, free - jnp.sum(jnp.where(admit, blocks, 0))
+    return state, slots, admitted_tokens, count, free - _sum(jnp.where(admit, blocks, 0))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1124,6 +1242,7 @@ class StepTimes(NamedTuple):
     durations: jnp.ndarray        # per step
     starts: jnp.ndarray           # since the boundary
     ends: jnp.ndarray
+    squares_from_two: jnp.ndarray  # per step j: the sum of squared durations of steps 2 .. j (gap statistics)
 
 
 class Run(NamedTuple):
@@ -1198,8 +1317,7 @@ def _advance(trace, params, state, slots, tokens, cost_fn, num_slots, queue: "Wa
         slots=kept.slots, num_running=kept.num_running, free_blocks=kept.free_blocks, requests=requests,
         pipelined_now=params.pipelined, cutoff_hi=cutoff_hi, cutoff_lo=cutoff_lo,
         steps=state.steps + run.steps,
-        scheduled_seqs=state.scheduled_seqs + jnp.sum(look.scheduled, dtype=i32)
-                       + jnp.sum(jnp.where(run.later_steps, look.members, 0)),
+        scheduled_seqs=state.scheduled_seqs + _sum(look.scheduled) + _sum(jnp.where(run.later_steps, look.members, 0)),
         kv_block_seconds=state.kv_block_seconds + integrals.kv_block_seconds,
         in_system_seconds=state.in_system_seconds + integrals.in_system_seconds,
         itl_histogram=gaps.histogram,
@@ -1223,12 +1341,13 @@ def _look_ahead(params, state, slots, tokens, num_slots) -> LookAhead:
     decoding = (computed0 + 1 == slots.prompt + generated0) & (generated0 >= 1)
     prefilling = running & ~decoding
     last = jnp.maximum(num_running - 1, 0)
-    has_prefill = jnp.any(prefilling)
+    num_prefilling = _sum(prefilling)
+    has_prefill = num_prefilling > 0
     # With several prefilling, or one with requests after it in the budget's order, the shape changes.
-    prefill_repeats = params.chunked_prefill & (jnp.sum(prefilling) == 1) & prefilling[last]
+    prefill_repeats = params.chunked_prefill & (num_prefilling == 1) & prefilling[last]
     # No look-ahead follows a step that schedules nothing (an iteration that is not stepping the engine):
     # its histogram and request-table writes are kept whichever outcome the iteration chooses.
-    continues = jnp.any(scheduled) & (~has_prefill | prefill_repeats) & (num_running <= budget)
+    continues = _any(scheduled) & (~has_prefill | prefill_repeats) & (num_running <= budget)
     is_prefill = prefill_repeats & (pos == last)   # the request prefilling through the run, if any
     # Requests that left as this step was scheduled (async) take no part: dropped at the end.
     left_before = running & slots.leaving
@@ -1291,8 +1410,11 @@ def _look_ahead(params, state, slots, tokens, num_slots) -> LookAhead:
 def _step_times(params, cost_fn, batch: StepBatch) -> StepTimes:
     """Every look-ahead step costed by the cost model at once."""
     durations = jnp.broadcast_to(cost_fn(params.cost, batch), (LOOKAHEAD_STEPS,)).astype(f32)
-    ends = jnp.cumsum(durations)
-    return StepTimes(durations=durations, starts=ends - durations, ends=ends)
+    # Both running sums in one scan (a float scan is several kernels; the columns do not mix).
+    from_two = jnp.arange(LOOKAHEAD_STEPS) >= 2
+    sums = jnp.cumsum(jnp.stack([durations, jnp.where(from_two, durations * durations, 0.0)], axis=1), axis=0)
+    ends = sums[:, 0]
+    return StepTimes(durations=durations, starts=ends - durations, ends=ends, squares_from_two=sums[:, 1])
 
 
 def _run_length(trace, params, state, slots, look: LookAhead, times: StepTimes, queue: "WaitingQueue",
@@ -1301,7 +1423,7 @@ def _run_length(trace, params, state, slots, look: LookAhead, times: StepTimes, 
     zero = look.zero
     budget = params.max_num_batched_tokens
     num_running = state.num_running
-    durations, starts, ends = times
+    durations, starts, ends = times.durations, times.starts, times.ends
     next_hi, next_lo, next_exists = _next_arrival(trace, state)
     to_arrival = jnp.where(next_exists, df_sub(next_hi, next_lo, state.clock_hi, state.clock_lo), jnp.inf)
     to_horizon = df_sub(params.horizon_hi, params.horizon_lo, state.clock_hi, state.clock_lo)
@@ -1329,23 +1451,23 @@ def _run_length(trace, params, state, slots, look: LookAhead, times: StepTimes, 
         admits = queue.ends_run(admits, seat, arrived, look.members, num_running)
     # Step j >= 1 needs blocks for computed0 + j tokens per decoder taking part (and the prefilling request's
     # so far). One with `spare` free token positions in its blocks gains new ones at steps
-    # spare + 1, spare + 1 + block_size, ...: so the gains at step t are the first gains at t,
-    # t - block_size, ..., counted over look-ahead-sized arrays whatever the slot count. Counting every
-    # decoder's gains bounds the need of those taking part (some finish first); stopping where the bound
-    # says is exact (the next iteration schedules that step in full) and only ends a run early when the
-    # cache is nearly full.
+    # spare + 1, spare + 1 + block_size, ...: so by step t the decoders whose first gain is at step s have
+    # gained `_gains_by(s, t)` blocks each, counted over look-ahead-sized arrays whatever the slot count.
+    # Counting every decoder's gains bounds the need of those taking part (some finish first); stopping
+    # where the bound says is exact (the next iteration schedules that step in full) and only ends a run
+    # early when the cache is nearly full.
     spare = slots.blocks * params.block_size - look.computed
     first_gain = jnp.zeros(LOOKAHEAD_STEPS, i32).at[jnp.where(look.decoder, spare + 1, LOOKAHEAD_STEPS)].add(
         1, mode="drop")
-    need_bound = look.held + jnp.cumsum(_strided_sums(first_gain, params.block_size))
+    need_bound = look.held + _sum(_gains_by(params.block_size) * first_gain[:, None])
     repeatable = zero | (look.continues & (look.members > 0) & ~admits & ~look.past_prefill & (starts < to_horizon)
                          & (need_bound <= params.usable_kv_blocks))
     run = _prefix_and(repeatable)
-    k = jnp.sum(run, dtype=i32)
+    k = _sum(run)
     extra = k - 1
     total = ends[extra]
     later_steps = run & ~zero
-    prefilled = jnp.sum(jnp.where(later_steps, look.chunk, 0))
+    prefilled = _sum(jnp.where(later_steps, look.chunk, 0))
     grow = jnp.where(look.decoder, jnp.minimum(look.left, extra), 0)
     through = jnp.where(look.is_prefill, extra, grow)
     return Run(
@@ -1374,14 +1496,18 @@ def _gap_statistics(state, slots, look: LookAhead, times: StepTimes, run: Run) -
     weight1 = (run.grow > 0).astype(i32)
     from_two = (j >= 2) & run.mask
     later = jnp.where(from_two, durations, 0.0)
-    max_rest, sq_rest = jax.lax.cummax(later)[run.grow], jnp.cumsum(later * later)[run.grow]
+    # A decoder's gaps from step 2 to its last (run.grow, within the run): the longest, a running max (exact
+    # in any order, so blocked), and the sum of their squares, a running sum up to its last step (which
+    # later steps do not enter).
+    max_rest = _blocked_scan(later, jnp.max, -jnp.inf, jax.lax.cummax)[run.grow]
+    sq_rest = times.squares_from_two[run.grow]
     max_gap = jnp.where(weight0 > 0, jnp.maximum(slots.max_gap, sample0), slots.max_gap)
     max_gap = jnp.where(weight1 > 0, jnp.maximum(max_gap, jnp.maximum(sample1, max_rest)), max_gap)
     sum_sq = (slots.sum_sq_gap + jnp.where(weight0 > 0, sample0 * sample0, 0.0)
               + jnp.where(weight1 > 0, sample1 * sample1 + sq_rest, 0.0))
-    hist = state.itl_histogram.at[_itl_bin(sample0)].add(weight0)
-    hist = hist.at[_itl_bin(sample1)].add(weight1)
-    hist = hist.at[_itl_bin(durations)].add(jnp.where(from_two, look.decodes, 0))
+    # One scatter-add for the three kinds of gap (integer counts: the order of the adds does not matter).
+    hist = state.itl_histogram.at[_itl_bin(jnp.concatenate([sample0, sample1, durations]))].add(
+        jnp.concatenate([weight0, weight1, jnp.where(from_two, look.decodes, 0)]))
     gap = jnp.where(is_prefill, jnp.where(run.prefill_emits, 0.0, sample0), jnp.where(run.grow > 0, 0.0, gap0))
     return Gaps(emitted=emitted, first_token=emitted & ~had_token, max_gap=max_gap, sum_sq=sum_sq, gap=gap,
                 histogram=hist)
@@ -1433,10 +1559,11 @@ def _kv_integral(params, state, blocks0, blocks, look: LookAhead, times: StepTim
     gained_at = (strided[last_gain]
                  - jnp.where(before_first >= 0, strided[jnp.clip(before_first, 0, LOOKAHEAD_STEPS - 1)], 0.0))
     block_seconds = blocks.astype(f32) * ends[run.through] - jnp.where(new_blocks > 0, gained_at, 0.0)
+    # These float sums stay jnp.sum: through `_sum` they round differently (measured on the Azure trace).
     prefill_block_seconds = jnp.sum(jnp.where(run.mask, look.prefill_blocks.astype(f32) * durations, 0.0))
     block_seconds = jnp.where(look.is_prefill, prefill_block_seconds, block_seconds)
     kv_seconds = jnp.sum(jnp.where(look.running & ~look.left_before, block_seconds, 0.0))
-    in_step = jnp.where(zero, state.num_running - jnp.sum(look.left_before, dtype=i32), look.members)
+    in_step = jnp.where(zero, state.num_running - _sum(look.left_before), look.members)
     in_system = (state.queue_len.astype(f32) * run.total
                  + jnp.sum(jnp.where(run.mask, in_step.astype(f32) * durations, 0.0)))
     return Integrals(kv_block_seconds=kv_seconds, in_system_seconds=in_system)
@@ -1448,8 +1575,8 @@ def _compaction(params, slots, look: LookAhead, run: Run, finished, num_slots) -
     leaving = finished & params.pipelined & (run.through == run.extra)
     keep = look.running & ~look.left_before & (~finished | leaving)
     kept, _ = _kept_slots(replace(slots, leaving=leaving), keep, num_slots)
-    return Compacted(slots=kept, num_running=jnp.sum(keep, dtype=i32),
-                     free_blocks=params.usable_kv_blocks - jnp.sum(jnp.where(keep, slots.blocks, 0)))
+    return Compacted(slots=kept, num_running=_sum(keep),
+                     free_blocks=params.usable_kv_blocks - _sum(jnp.where(keep, slots.blocks, 0)))
 
 
 def _batch_summary(slots: Slots, tokens):
@@ -1459,19 +1586,29 @@ def _batch_summary(slots: Slots, tokens):
     is_prefill = scheduled & ~is_decode
     c = slots.computed.astype(f32)
     q = tokens.astype(f32)
-    return StepBatch(
-        num_prefill_seqs=jnp.sum(is_prefill).astype(f32),
-        prefill_tokens=jnp.sum(jnp.where(is_prefill, q, 0.0)),
-        prefill_context_tokens=jnp.sum(jnp.where(is_prefill, c + q, 0.0)),
-        prefill_attention_pairs=jnp.sum(jnp.where(is_prefill, q * (c + q / 2), 0.0)),
-        num_decode_seqs=jnp.sum(is_decode).astype(f32),
-        decode_context_tokens=jnp.sum(jnp.where(is_decode, c + 1, 0.0)),
+    terms = dict(
+        num_prefill_seqs=is_prefill.astype(f32),   # small integer counts: exact as float32 sums
+        prefill_tokens=jnp.where(is_prefill, q, 0.0),
+        prefill_context_tokens=jnp.where(is_prefill, c + q, 0.0),
+        prefill_attention_pairs=jnp.where(is_prefill, q * (c + q / 2), 0.0),
+        num_decode_seqs=is_decode.astype(f32),
+        decode_context_tokens=jnp.where(is_decode, c + 1, 0.0),
     )
+    totals = _sum(jnp.stack(list(terms.values()), axis=1))   # all six sums in one reduction
+    return StepBatch(**{name: totals[k] for k, name in enumerate(terms)})
+
+
+def _gains_by(block_size):
+    """[s, t]: the blocks a decoder whose first new block comes at look-ahead step s has gained by step t (one
+    every block_size steps). It depends on the block size alone, so XLA computes it once, outside the loop."""
+    s = jnp.arange(LOOKAHEAD_STEPS, dtype=i32)[:, None]
+    t = jnp.arange(LOOKAHEAD_STEPS, dtype=i32)[None, :]
+    return jnp.where(t >= s, (t - s) // block_size + 1, 0)
 
 
 def _suffix_sums(x):
-    """Along axis 0: entry j is the sum of entries j, j + 1, ..."""
-    return jnp.cumsum(x[::-1], axis=0)[::-1]
+    """Along axis 0 of an integer array: entry j is the sum of entries j, j + 1, ..."""
+    return _sum(x) - _prefix_sums(x) + x
 
 
 def _strided_sums(x, stride):
