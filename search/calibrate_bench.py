@@ -58,7 +58,7 @@ from servetune.envs.metrics import histogram_percentile
 from servetune.envs.sim.outcome import COMPLETED, SimulationOutcome, itl_bin_edges
 from servetune.envs.sim.simulator import concurrency_bound, simulate_many
 from servetune.envs.workload.requests import Workload
-from servetune.errors import UserError
+from servetune.errors import UserError, unforced_fit_problems
 from servetune.pipeline import resolve
 
 DEFAULT_FIT = ("per_step_overhead_s", "matmul_memory_efficiency", "matmul_compute_efficiency")
@@ -594,12 +594,9 @@ def run_calibrate_bench(args) -> int:
         out.print(f"held-out mean |error| {100 * report['held_out_mean_abs_error']:.2f}%, uncalibrated roofline "
                   f"(datasheet defaults) {100 * report['uncalibrated_held_out_mean_abs_error']:.2f}%; "
                   + report["itl_note"])
-    if result.problems:
-        verdict = "wrote it anyway (--force)" if write else "wrote nothing (--force writes it anyway)"
-        message = f"{args.bench}: {'; '.join(result.problems)}: {verdict}"
-        if not write:
-            raise UserError(message)
-        console.print(f"warning: {message}")
+    warning = unforced_fit_problems(args.bench, result.problems, write)
+    if warning:
+        console.print(warning)
     return 0
 
 

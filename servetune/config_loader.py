@@ -1022,16 +1022,22 @@ def names_gpu_file(text: str) -> bool:
     return text.lower().endswith(GPU_FILE_SUFFIXES) or "/" in text
 
 
-def read_gpu_file(path: Union[str, Path]) -> GpuDefinition:
-    """The GPU a YAML or JSON file defines; a ConfigError naming the file, with one line for each bad field."""
-    path = Path(path)
+def _read_yaml_file(path: Path, kind: tuple[str, str], content: str) -> Any:
+    """A user's YAML (or JSON) file parsed, refused above MAX_CONFIG_BYTES; ``kind`` is reading_user_file's
+    (what the file is, what was expected), ``content`` what the size limit is for."""
     source = str(path)
-    with reading_user_file(source, "GPU file", "a YAML or JSON file defining a GPU", ConfigError):
+    with reading_user_file(source, *kind, ConfigError):
         if path.stat().st_size > MAX_CONFIG_BYTES:
-            raise ConfigError(f"{source}: {path.stat().st_size:,} bytes, expected a GPU definition of at most "
+            raise ConfigError(f"{source}: {path.stat().st_size:,} bytes, expected {content} of at most "
                               f"{MAX_CONFIG_BYTES:,}")
         text = path.read_text(encoding="utf-8")
-    data = _parse_yaml(text, source)
+    return _parse_yaml(text, source)
+
+
+def read_gpu_file(path: Union[str, Path]) -> GpuDefinition:
+    """The GPU a YAML or JSON file defines; a ConfigError naming the file, with one line for each bad field."""
+    source = str(path)
+    data = _read_yaml_file(Path(path), ("GPU file", "a YAML or JSON file defining a GPU"), "a GPU definition")
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: got {_show(data)}, expected a mapping with keys "
                           f"{', '.join(_fields(GpuDefinition))}")
@@ -1489,12 +1495,7 @@ def load_config(path: Union[str, Path], overrides: Sequence[str] = ()) -> Config
     """Read, override and validate a YAML config file; raises ``ConfigError`` with a one-line message."""
     path = Path(path)
     source = str(path)
-    with reading_user_file(source, "config file", "a YAML config file", ConfigError):
-        if path.stat().st_size > MAX_CONFIG_BYTES:
-            raise ConfigError(f"{source}: {path.stat().st_size:,} bytes, expected a config of at most "
-                              f"{MAX_CONFIG_BYTES:,}")
-        text = path.read_text(encoding="utf-8")
-    data = _parse_yaml(text, source)
+    data = _read_yaml_file(path, ("config file", "a YAML config file"), "a config")
     if data is None:
         raise ConfigError(f"{source}: the config file is empty, expected a mapping of sections such as scheduler")
     if not isinstance(data, dict):

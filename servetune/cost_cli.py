@@ -22,7 +22,7 @@ from servetune.cost_models.catalog import resolve_gpu, resolve_model
 from servetune.cost_models.gpus import GIB, GPU_ALIASES, GPUS, GpuSpec
 from servetune.cost_models.memory import kv_capacity
 from servetune.cost_models.models import KV_CACHE_DTYPES, MODELS, QUANTIZATION_METHODS
-from servetune.errors import InvalidValue, UserError
+from servetune.errors import InvalidValue, UserError, unforced_fit_problems
 from servetune.paths import check_output_file
 
 DEFAULT_MODEL = "llama-2-7b"
@@ -452,19 +452,17 @@ def _run_calibrate_steps(args: argparse.Namespace) -> int:
     write = not problems or args.force
     if write:
         sources = {"steps": str(args.steps), "model": model.name, "tp": args.tp, "rows": len(rows),
-                   "gpu_time_only": args.gpu_time_only, "async_scheduling": args.async_scheduling, "initial": initial_source, "fitted": result.fitted}
+                   "gpu_time_only": args.gpu_time_only, "async_scheduling": args.async_scheduling,
+                   "initial": initial_source, "fitted": result.fitted}
         write_profile(args.out, result.calibration, gpu.name, sources, result.report)
     if args.json:
         print(json.dumps({"profile": str(args.out) if write else None, "written": write, "problems": problems,
                           "calibration": result.calibration.as_floats(), **result.report}))
     else:
         _print_steps_report(args, result, initial_source, write)
-    if problems:
-        verdict = "wrote it anyway (--force)" if write else "wrote nothing (--force writes it anyway)"
-        message = f"{args.steps}: {'; '.join(problems)}: {verdict}"
-        if not write:
-            raise UserError(message)
-        console.print(f"warning: {message}")
+    warning = unforced_fit_problems(args.steps, problems, write)
+    if warning:
+        console.print(warning)
     return 0
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 
 class UserError(Exception):
@@ -74,16 +74,29 @@ class InvalidValue(UserError):
         super().__init__(f"{name}: got {shown if len(shown) <= 60 else shown[:60] + '...'}, expected {expected}")
 
 
-def parse_json(text: str, path, expected: str):
-    """``text`` (the file ``path``) as JSON; a UserError naming the line and column, or why Python cannot read it."""
+def unforced_fit_problems(source, problems: Sequence[str], written: bool) -> Optional[str]:
+    """A calibration's verdict on its fit's ``problems``: a UserError when they kept the profile from being written,
+    else the warning to print (None without problems)."""
+    if not problems:
+        return None
+    verdict = "wrote it anyway (--force)" if written else "wrote nothing (--force writes it anyway)"
+    message = f"{source}: {'; '.join(problems)}: {verdict}"
+    if not written:
+        raise UserError(message)
+    return f"warning: {message}"
+
+
+def parse_json(text: str, path, expected: str, error_type: type[UserError] = UserError):
+    """``text`` (the file ``path``) as JSON; an ``error_type`` naming the line and column, or why Python cannot
+    read it."""
     try:
         return json.loads(text)
     except json.JSONDecodeError as error:
-        raise UserError(f"{path}: line {error.lineno}, column {error.colno}: not valid JSON ({error.msg}), "
-                        f"expected {expected}") from None
+        raise error_type(f"{path}: line {error.lineno}, column {error.colno}: not valid JSON ({error.msg}), "
+                         f"expected {expected}") from None
     except (ValueError, RecursionError):   # a number past Python's digit limit; nesting past its recursion limit
-        raise UserError(f"{path}: not JSON that Python reads (a number with too many digits, or nesting too "
-                        f"deep), expected {expected}") from None
+        raise error_type(f"{path}: not JSON that Python reads (a number with too many digits, or nesting too "
+                         f"deep), expected {expected}") from None
 
 
 def parse_json_lines(path, text: str, expected: str):

@@ -66,22 +66,23 @@ def check_run(data: dict, path) -> None:
     if len(set(lengths.values())) > 1:
         shown = ", ".join(f"{key} {n}" for key, n in lengths.items())
         raise _bad(path, "per-request arrays", f"lengths {shown}", "one entry per request in each")
-    slots = data.get("servetune_slots")
-    if slots is not None:
-        if not isinstance(slots, dict) or not all(isinstance(slots.get(key), list) for key in SLOTS_KEYS):
-            raise _bad(path, "servetune_slots", type(slots).__name__,
-                       f"an object with the lists {', '.join(SLOTS_KEYS)} ({DETAILED_FLAG} writes it)")
-        if len({len(slots[key]) for key in SLOTS_KEYS}) > 1:
-            raise _bad(path, "servetune_slots", "lists of different lengths", "one entry per interval in each")
-        if not set(slots["phase"]) <= {"prefill", "decode"}:
-            raise _bad(path, "servetune_slots.phase", repr(sorted(set(slots["phase"]))[:3]), "prefill or decode")
-    timeline = data.get("servetune_timeline")
-    if timeline is not None:
-        if not isinstance(timeline, dict) or not all(isinstance(timeline.get(k), list) for k in TIMELINE_SERIES):
-            raise _bad(path, "servetune_timeline", type(timeline).__name__,
-                       f"an object with the lists {', '.join(TIMELINE_SERIES)} ({DETAILED_FLAG} writes it)")
-        if len({len(timeline[key]) for key in TIMELINE_SERIES}) > 1:
-            raise _bad(path, "servetune_timeline", "lists of different lengths", "one entry per bin in each")
+    slots = _check_columns(data, path, "servetune_slots", SLOTS_KEYS, "interval")
+    if slots is not None and not set(slots["phase"]) <= {"prefill", "decode"}:
+        raise _bad(path, "servetune_slots.phase", repr(sorted(set(slots["phase"]))[:3]), "prefill or decode")
+    _check_columns(data, path, "servetune_timeline", TIMELINE_SERIES, "bin")
+
+
+def _check_columns(data: dict, path, key: str, columns: Sequence[str], row: str) -> Optional[dict]:
+    """``data[key]``, if present, as an object of equally long lists named ``columns`` (one entry per ``row``)."""
+    table = data.get(key)
+    if table is None:
+        return None
+    if not isinstance(table, dict) or not all(isinstance(table.get(column), list) for column in columns):
+        raise _bad(path, key, type(table).__name__,
+                   f"an object with the lists {', '.join(columns)} ({DETAILED_FLAG} writes it)")
+    if len({len(table[column]) for column in columns}) > 1:
+        raise _bad(path, key, "lists of different lengths", f"one entry per {row} in each")
+    return table
 
 
 def run_names(labels: Sequence[Optional[str]], files: Sequence[str]) -> list[str]:

@@ -36,7 +36,6 @@ from __future__ import annotations
 import csv
 import functools
 import io
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -46,7 +45,8 @@ from typing import Callable, Optional
 import numpy as np
 
 from servetune.config import MAX_TOKEN_COUNT, LengthsConfig
-from servetune.errors import ConfigError, TraceError, parse_json_lines, reading_user_file, show_json, show_text
+from servetune.errors import (ConfigError, TraceError, parse_json, parse_json_lines, reading_user_file, show_json,
+                              show_text)
 
 # ~4 characters of English text per token: OpenAI's rule of thumb ("1 token ~= 4 chars in English",
 # https://help.openai.com/en/articles/4936856-what-are-tokens-and-how-to-count-them): a rough figure for other
@@ -198,13 +198,7 @@ def _sharegpt_pairs(key: tuple[str, int, int]) -> tuple[tuple[str, str], ...]:
     """The (first turn, second turn) of every entry with at least two turns, in file order."""
     path = Path(key[0])
     text = _read_text(path, "ShareGPT dataset", "a ShareGPT JSON file")
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise TraceError(f"{path}: line {error.lineno}: column {error.colno}: not valid JSON ({error.msg}); "
-                         "expected a ShareGPT JSON list of conversations") from None
-    except (ValueError, RecursionError):
-        raise TraceError(f"{path}: not readable JSON; expected a ShareGPT JSON list of conversations") from None
+    data = parse_json(text, path, "a ShareGPT JSON list of conversations", TraceError)
     if type(data) is not list:
         raise TraceError(f"{path}: got {show_json(data)}, expected a JSON list of {{\"conversations\": [...]}} "
                          "entries (ShareGPT)")
