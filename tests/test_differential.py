@@ -43,7 +43,7 @@ from servetune.envs.sim.outcome import (
     SimulationOutcome,
 )
 from servetune.envs.sim.reference import _Engine, simulate_reference
-from servetune.envs.sim.simulator import num_slots_for, simulate_many, simulate_workload
+from servetune.envs.sim.simulator import num_slots_for, simulate_many, simulate_seeds, simulate_workload
 from servetune.envs.workload.requests import Workload
 
 NUM_REQUESTS = 12          # every workload has this many: the engine compiles once per request count
@@ -318,6 +318,32 @@ def test_simulate_workload_matches_reference():
         args = (case.workload, case.scheduler, step_time_s, case.cost, case.horizon_s)
         results.append((case, simulate_reference(*args), simulate_workload(*args)))
     assert_agree(results, "simulate_workload")
+
+
+def test_simulate_seeds_matches_reference_and_each_workload_alone():
+    """One config over the workloads of every fifth group (all NUM_REQUESTS long) in one call: each outcome
+    agrees with the reference and equals that workload's own simulate_workload run."""
+    scheduler = next(c.scheduler for c in draw_group(FIRST_SEED) if num_slots_for([c.scheduler]) == 8)
+    cost = draw_group(FIRST_SEED)[0].cost
+    workloads = [draw_group(seed)[0].workload for seed in range(FIRST_SEED, FIRST_SEED + NUM_WORKLOADS, 5)]
+    together = simulate_seeds(workloads, scheduler, step_time_s, cost)
+    results = []
+    for seed, workload, got in zip(range(FIRST_SEED, FIRST_SEED + NUM_WORKLOADS, 5), workloads, together):
+        alone = simulate_workload(workload, scheduler, step_time_s, cost)
+        for field in dataclasses.fields(alone.requests):
+            np.testing.assert_array_equal(getattr(got.requests, field.name), getattr(alone.requests, field.name),
+                                          err_msg=f"seed {seed}: requests.{field.name}")
+        case = Case(seed, 0, workload, scheduler, cost, None)
+        results.append((case, simulate_reference(workload, scheduler, step_time_s, cost), got))
+    assert_agree(results, "simulate_seeds")
+
+
+def test_simulate_seeds_refuses_workloads_of_different_shapes():
+    short, long = draw_workload(np.random.default_rng(1)), draw_workload(np.random.default_rng(2))
+    long = Workload.from_lists(np.append(long.arrival_s, long.arrival_s[-1] + 1.0),
+                               np.append(long.prompt_tokens, 8), np.append(long.output_tokens, 8))
+    with pytest.raises(ValueError, match="workload 1 has 13 requests and tenants .*, workload 0 12"):
+        simulate_seeds([short, long], draw_group(FIRST_SEED)[0].scheduler, step_time_s, linear(0.01))
 
 
 def event_counts(results) -> dict[str, int]:

@@ -165,7 +165,7 @@ from test_queueing import (  # noqa: E402  (the M/G/1 set-up shared with tests/t
     MEAN_OUTPUT, ONE_SEAT, REQUESTS_PER_RUN, STEP_S, WARMUP, assert_matches_theory,
 )
 from conftest import linear  # noqa: E402
-from servetune.envs.sim.simulator import simulate_workload  # noqa: E402
+from servetune.envs.sim.simulator import simulate_seeds, simulate_workload  # noqa: E402
 
 RUNS = 80
 
@@ -174,18 +174,20 @@ def _class_waits(order: str, seed0: int, rates: list[float], mean_outputs: list[
     """Per run, each class's mean wait before its first step (TTFT - D), after the warm-up."""
     scheduler = dataclasses.replace(ONE_SEAT, queue_order=order, length_prediction_noise=noise)
     total = sum(rates)
-    waits = []
+    n = REQUESTS_PER_RUN
+    workloads = []
     for seed in range(seed0, seed0 + RUNS):
         rng = np.random.default_rng(seed)
-        n = REQUESTS_PER_RUN
         arrivals = np.cumsum(rng.exponential(1.0 / total, size=n))
         klass = rng.choice(len(rates), size=n, p=np.array(rates) / total)
         outputs = rng.geometric(1.0 / np.array(mean_outputs)[klass])
-        workload = dataclasses.replace(Workload.from_lists(arrivals, np.ones(n), outputs), priority=klass,
-                                       prediction_z=rng.normal(size=n))
-        out = simulate_workload(workload, scheduler, step_time_s, linear(STEP_S))
-        wait = out.requests.first_token_s - arrivals - STEP_S
-        kept = np.arange(n) >= WARMUP
+        workloads.append(dataclasses.replace(Workload.from_lists(arrivals, np.ones(n), outputs), priority=klass,
+                                             prediction_z=rng.normal(size=n)))
+    waits = []
+    kept = np.arange(n) >= WARMUP
+    for workload, out in zip(workloads, simulate_seeds(workloads, scheduler, step_time_s, linear(STEP_S))):
+        wait = out.requests.first_token_s - workload.arrival_s - STEP_S
+        klass = workload.priority
         waits.append([np.mean(wait[kept & (klass == k)]) for k in range(len(rates))])
     return np.array(waits)
 

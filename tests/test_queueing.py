@@ -27,7 +27,7 @@ import pytest
 from conftest import linear, scheduler_config
 from servetune.cost_models.linear import step_time_s
 from servetune.envs.sim.outcome import COMPLETED
-from servetune.envs.sim.simulator import simulate_workload
+from servetune.envs.sim.simulator import simulate_seeds, simulate_workload
 from servetune.envs.workload.requests import Workload
 
 RUNS = 80                 # independent seeds per estimate
@@ -60,9 +60,8 @@ def geometric_tokens(rng, n):
 def latency_means(seed0: int, rate: float, output_tokens) -> tuple[np.ndarray, np.ndarray]:
     """Per run, the mean TTFT and mean E2EL of its requests after the warm-up, from one seat at STEP_S."""
     ttft, e2el = [], []
-    for seed in range(seed0, seed0 + RUNS):
-        workload = poisson_workload(seed, rate, output_tokens)
-        out = simulate_workload(workload, ONE_SEAT, step_time_s, linear(STEP_S))
+    workloads = [poisson_workload(seed, rate, output_tokens) for seed in range(seed0, seed0 + RUNS)]
+    for workload, out in zip(workloads, simulate_seeds(workloads, ONE_SEAT, step_time_s, linear(STEP_S))):
         assert np.all(out.requests.status == COMPLETED)
         kept = slice(WARMUP, None)
         arrival = workload.arrival_s[kept]

@@ -1807,6 +1807,16 @@ def run_batched(trace: Trace, params: EngineParams, cost_fn: Callable, num_slots
     return jax.vmap(flush_running)(state)
 
 
+def run_traces(trace: Trace, params: EngineParams, cost_fn: Callable, num_slots: int,
+               queue_shape: Optional[QueueShape] = None) -> EngineState:
+    """Many workloads of one shape (trace and params with a leading axis: a config per workload), looped
+    as `run_batched` loops its configs."""
+    state = jax.vmap(lambda t, p: init_state(t, p, num_slots, queue_shape))(trace, params)
+    queue = waiting_queue(queue_shape)
+    state = _while_any_live(lambda p, one, t: _iteration(t, p, one, cost_fn, num_slots, queue), params, state, trace)
+    return jax.vmap(flush_running)(state)
+
+
 @partial(jax.jit, static_argnames=("cost_fn", "num_slots", "queue_shape"))
 def run_jit(trace, params, cost_fn, num_slots, queue_shape=None):
     return run(trace, params, cost_fn, num_slots, queue_shape)
@@ -1815,3 +1825,8 @@ def run_jit(trace, params, cost_fn, num_slots, queue_shape=None):
 @partial(jax.jit, static_argnames=("cost_fn", "num_slots", "queue_shape"))
 def run_many(trace, params, cost_fn, num_slots, queue_shape=None):
     return across_cores(lambda t, p: run_batched(t, p, cost_fn, num_slots, queue_shape), (False, True))(trace, params)
+
+
+@partial(jax.jit, static_argnames=("cost_fn", "num_slots", "queue_shape"))
+def run_many_traces(trace, params, cost_fn, num_slots, queue_shape=None):
+    return across_cores(lambda t, p: run_traces(t, p, cost_fn, num_slots, queue_shape), (True, True))(trace, params)

@@ -246,14 +246,21 @@ def _stack(params: Sequence[engine.EngineParams]) -> engine.EngineParams:
     return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *params)
 
 
-def _run_growing(workload: Workload, trace, params: list, cost_fn, schedulers, scored: bool) -> list:
-    """Run every config, rerunning those whose slot table or queue pool filled up with larger ones."""
+def _run_growing(workload: Workload, trace, params: list, cost_fn, schedulers, scored: bool,
+                 traces: Optional[list] = None) -> list:
+    """Run every config, rerunning those whose slot table or queue pool filled up with larger ones. With
+    `traces` (one per config, all of `workload`'s shape) each config runs over its own workload."""
     states: list = [None] * len(params)
     pending = list(range(len(params)))
     sizes: Optional[tuple[int, int]] = (_slot_schedule(schedulers)[0], INITIAL_POOL)
     while sizes is not None:
         shape = _queue_shape(workload, scored, *sizes)
-        batch = jax.device_get(engine.run_many(trace, _stack([params[i] for i in pending]), cost_fn, sizes[0], shape))
+        rows = _stack([params[i] for i in pending])
+        if traces is None:
+            batch = engine.run_many(trace, rows, cost_fn, sizes[0], shape)
+        else:
+            batch = engine.run_many_traces(_stack([traces[i] for i in pending]), rows, cost_fn, sizes[0], shape)
+        batch = jax.device_get(batch)
         for row, i in enumerate(pending):
             states[i] = jax.tree_util.tree_map(lambda x: x[row], batch)
         sizes = _grown(sizes, [states[i] for i in pending], schedulers, workload)
@@ -317,6 +324,26 @@ def simulate_many(workload: Workload, schedulers: Sequence[SchedulerConfig], cos
         for i, state in zip(members, states):
             outcomes[i] = _with_hits(outcome_from_state(workload, state, horizon_s), hits[i])
     return outcomes
+
+
+def simulate_seeds(workloads: Sequence[Workload], scheduler: SchedulerConfig, cost_fn: Callable, cost_params: Any,
+                   horizon_s: Optional[float] = None) -> list[SimulationOutcome]:
+    """Simulate one scheduler config over many workloads of one shape -- the same request count, tenants and
+    sessions, as seeds of one workload spec give -- in one vmapped call."""
+    if not workloads:
+        return []
+    first = workloads[0]
+    traces = [device_trace(w, scheduler.length_prediction_noise) for w in workloads]
+    shapes = [jax.tree_util.tree_map(np.shape, t) for t in traces]
+    for index, (w, shape) in enumerate(zip(workloads, shapes)):
+        if shape != shapes[0] or w.tenant_names != first.tenant_names:
+            raise ValueError(f"simulate_seeds needs workloads of one shape: workload {index} has "
+                             f"{w.num_requests} requests and tenants {list(w.tenant_names)}, workload 0 "
+                             f"{first.num_requests} and {list(first.tenant_names)}")
+    hits = [prefix_cache_hits(w, scheduler) for w in workloads]
+    params = [_params(w, scheduler, cost_params, horizon_s, h) for w, h in zip(workloads, hits)]
+    states = _run_growing(first, None, params, cost_fn, [scheduler] * len(workloads), _is_scored(scheduler), traces)
+    return [_with_hits(outcome_from_state(w, state, horizon_s), h) for w, state, h in zip(workloads, states, hits)]
 
 
 def simulate_timed(workload: Workload, scheduler: SchedulerConfig, cost_fn: Callable, cost_params: Any,
