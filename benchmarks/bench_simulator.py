@@ -36,7 +36,7 @@ from servetune.envs.sim import engine
 from servetune.envs.metrics import compute_metrics
 from servetune.envs.sim.outcome import SimulationOutcome
 from servetune.envs.sim.simulator import (
-    _slot_schedule, device_trace, engine_params, iteration_guard, simulate_many, simulate_timed, simulate_workload,
+    engine_inputs, simulate_many, slot_schedule, simulate_timed, simulate_workload,
 )
 from servetune.envs.workload.slos import per_request_slos
 from servetune.envs.workload.requests import build_workload, take_rows
@@ -68,10 +68,9 @@ def _timed_single(workload, config, slot_sizes=None):
     """(compile s, best-of-2 simulate s, iterations, steps, slots, kernels per loop iteration) for one config,
     growing the slot table as simulate does (or trying only `slot_sizes`)."""
     cost_fn, cost_params = build_cost_model(config)
-    params = engine_params(config.scheduler, cost_params, None, iteration_guard(workload))
-    trace = device_trace(workload)
+    trace, params, _ = engine_inputs(workload, config.scheduler, cost_params)
     compile_s = sim_s = 0.0
-    for num_slots in slot_sizes or _slot_schedule([config.scheduler]):
+    for num_slots in slot_sizes or slot_schedule([config.scheduler]):
         start = time.perf_counter()
         compiled = engine.run_jit.lower(trace, params, cost_fn, num_slots).compile()
         compile_s += time.perf_counter() - start

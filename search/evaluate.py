@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 from servetune.config import Config
 from servetune.cost_models.factory import build_cost_model
 from servetune.envs.metrics import compute_metrics
-from servetune.envs.sim.simulator import concurrency_bound, num_slots_for, simulate_many
+from servetune.envs.sim.simulator import concurrency_bound, simulate_many, slot_schedule
 from servetune.envs.workload.admission import rate_limited
 from servetune.envs.workload.slos import per_request_slos
 from servetune.envs.workload.requests import Workload, build_workload
@@ -63,7 +63,8 @@ class BatchEvaluator:
             workload = self.workload(config)
             cost_fn, _ = self._cost_model(config)
             runnable.append(_runnable(config, workload))
-            slots = num_slots_for([runnable[-1].scheduler])
+            # Configs that try the same slot tables run as one batch.
+            slots = tuple(slot_schedule([runnable[-1].scheduler]))
             key = (config.workload, config.simulation.horizon_s, cost_fn, slots)
             groups.setdefault(key, []).append(index)
         results: list[Optional[dict]] = [None] * len(configs)

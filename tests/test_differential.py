@@ -338,12 +338,28 @@ def test_simulate_seeds_matches_reference_and_each_workload_alone():
     assert_agree(results, "simulate_seeds")
 
 
-def test_simulate_seeds_refuses_workloads_of_different_shapes():
+def test_simulate_seeds_runs_workloads_of_different_lengths_as_each_alone():
+    """12 and 13 requests pad to one shape; each outcome still equals its own run's, bit for bit."""
     short, long = draw_workload(np.random.default_rng(1)), draw_workload(np.random.default_rng(2))
     long = Workload.from_lists(np.append(long.arrival_s, long.arrival_s[-1] + 1.0),
                                np.append(long.prompt_tokens, 8), np.append(long.output_tokens, 8))
-    with pytest.raises(ValueError, match="workload 1 has 13 requests and tenants .*, workload 0 12"):
-        simulate_seeds([short, long], draw_group(FIRST_SEED)[0].scheduler, step_time_s, linear(0.01))
+    scheduler = draw_group(FIRST_SEED)[0].scheduler
+    together = simulate_seeds([short, long], scheduler, step_time_s, linear(0.01))
+    for workload, got in zip([short, long], together):
+        alone = simulate_workload(workload, scheduler, step_time_s, linear(0.01))
+        assert got.requests.status.shape == (workload.num_requests,)
+        for field in dataclasses.fields(alone.requests):
+            np.testing.assert_array_equal(getattr(got.requests, field.name), getattr(alone.requests, field.name),
+                                          err_msg=f"{workload.num_requests} requests: requests.{field.name}")
+        assert got.totals.end_s == alone.totals.end_s
+
+
+def test_simulate_seeds_refuses_workloads_with_different_tenants():
+    one = draw_workload(np.random.default_rng(1))
+    two = dataclasses.replace(draw_workload(np.random.default_rng(2)), tenant_names=("a", "b"))
+    with pytest.raises(ValueError, match=r"workload 1 has tenants \['a', 'b'\] and no sessions, workload 0 "
+                                         r"\['default'\] and no"):
+        simulate_seeds([one, two], draw_group(FIRST_SEED)[0].scheduler, step_time_s, linear(0.01))
 
 
 def event_counts(results) -> dict[str, int]:

@@ -74,7 +74,8 @@ f32, i32 = jnp.float32, jnp.int32
 # ---------------------------------------------------------------------------------------------
 @pytree_dataclass
 class Trace:
-    """The workload on the device. Arrival times are double-float (hi + lo)."""
+    """The workload on the device. Arrival times are double-float (hi + lo); rows at the end that arrive at
+    +inf never arrive (they pad workloads of different lengths to one compiled shape)."""
 
     arrival_hi: jnp.ndarray
     arrival_lo: jnp.ndarray
@@ -471,7 +472,9 @@ def _next_arrival(trace, state):
     n = trace.prompt.shape[0]
     if trace.think is None:
         nxt = jnp.minimum(state.next_arrival, n - 1)
-        return trace.arrival_hi[nxt], trace.arrival_lo[nxt], state.next_arrival < n
+        hi = trace.arrival_hi[nxt]
+        # Rows that arrive at +inf pad the trace to a shared shape; they are never to come.
+        return hi, trace.arrival_lo[nxt], (state.next_arrival < n) & jnp.isfinite(hi)
     hi = jnp.min(state.pending_hi)
     exists = jnp.isfinite(hi)
     lo = jnp.min(jnp.where(state.pending_hi == hi, state.pending_lo, jnp.inf))

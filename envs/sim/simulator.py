@@ -60,6 +60,40 @@ def device_trace(workload: Workload, length_prediction_noise: float = 0.0,
     )
 
 
+# Each distinct array shape costs the engine seconds of XLA compilation, so the sizes that vary between
+# workloads and configs are rounded up to a few: the request axis to a power of two with rows that never
+# arrive, the tenant tables with tenants that never send, the first slot table to INITIAL_SLOTS. Then
+# workloads of nearby lengths (seeds, windows, tests) and configs that seat few requests share one engine.
+MIN_REQUEST_ROWS = 64
+MIN_TENANT_ROWS = 4
+
+
+def _power_of_two_at_least(count: int, least: int) -> int:
+    return max(least, 1 << max(0, math.ceil(math.log2(max(count, 1)))))
+
+
+def request_rows(num_requests: int) -> int:
+    """The request-axis length a workload of `num_requests` runs with."""
+    return _power_of_two_at_least(num_requests, MIN_REQUEST_ROWS)
+
+
+def padded_trace(trace: engine.Trace, rows: int) -> engine.Trace:
+    """`trace` with rows appended up to `rows` that arrive at +inf, so never (a closed-loop call among
+    them belongs to no session, so none releases it)."""
+    extra = rows - trace.prompt.shape[0]
+    if extra < 0:
+        raise ValueError(f"cannot pad a trace of {trace.prompt.shape[0]} requests to {rows} rows")
+    fill = dict(arrival_hi=np.inf, arrival_lo=0.0, prompt=1, output=1, arrival_rel=0.0, tenant=0, priority=0.0,
+                predicted_output=1.0, ttft_budget=np.inf, rate_limited=False, session=-1, think=0.0)
+
+    def pad(name, column):
+        if column is None or name not in fill:
+            return column
+        return jnp.concatenate([column, jnp.full(extra, fill[name], column.dtype)])
+
+    return engine.Trace(**{f.name: pad(f.name, getattr(trace, f.name)) for f in dataclasses.fields(trace)})
+
+
 def concurrency_bound(config: Config, workload: Workload) -> int:
     """The most requests a resolved continuous-batching config can ever run at once.
 
@@ -86,15 +120,18 @@ def num_slots_for(schedulers: Sequence[SchedulerConfig]) -> int:
 
 
 # Most runs never hold more than a few dozen requests at once, and the engine's cost per iteration grows
-# with the slot count; so runs start with at most this many slots and grow only if the table filled up
-# (the engine reports it). A run whose table never filled is identical to one with every slot.
+# with the slot count; so runs start with this many slots and grow only if the table filled up (the engine
+# reports it). A run whose table never filled is identical to one with every slot. A config that seats
+# fewer runs on the same table all the same (measured ~9% slower per iteration at 16 seats than a 16-slot
+# table), so that it shares its compiled engine with every other.
 INITIAL_SLOTS = 64
 SLOT_GROWTH = 4
 
 
-def _slot_schedule(schedulers: Sequence[SchedulerConfig]) -> list[int]:
+def slot_schedule(schedulers: Sequence[SchedulerConfig]) -> list[int]:
+    """The slot-table sizes a run of these configs tries, in order, until its table stops filling up."""
     full = num_slots_for(schedulers)
-    sizes = [min(full, INITIAL_SLOTS)]
+    sizes = [INITIAL_SLOTS]
     while sizes[-1] < full:
         sizes.append(min(full, sizes[-1] * SLOT_GROWTH))
     return sizes
@@ -127,9 +164,15 @@ def _with_hits(outcome: SimulationOutcome, hits: Optional[PrefixHits]) -> Simula
     return dataclasses.replace(outcome, totals=totals)
 
 
-def _params(workload, scheduler, cost_params, horizon_s, hits: Optional[PrefixHits]) -> engine.EngineParams:
-    return engine_params(scheduler, cost_params, horizon_s, iteration_guard(workload),
-                         None if hits is None else hits.cached_tokens)
+def _params(workload, scheduler, cost_params, horizon_s, hits: Optional[PrefixHits],
+            rows: Optional[int] = None) -> engine.EngineParams:
+    # Without a prefix cache no prompt token is cached: the same engine, so configs with and without one
+    # share it.
+    rows = request_rows(workload.num_requests) if rows is None else rows
+    cached = np.zeros(rows, np.int64)
+    if hits is not None:
+        cached[:workload.num_requests] = hits.cached_tokens
+    return engine_params(scheduler, cost_params, horizon_s, iteration_guard(workload), cached)
 
 
 def _is_scored(scheduler: SchedulerConfig) -> bool:
@@ -139,9 +182,10 @@ def _is_scored(scheduler: SchedulerConfig) -> bool:
 def _queue_shape(workload: Workload, scored: bool, num_slots: int, pool_size: int):
     if not scored:
         return None
-    # No queue holds more than the workload, and the front takes num_slots entries from the pool.
-    pool_size = max(min(pool_size, workload.num_requests), num_slots)
-    return engine.QueueShape(pool_size=pool_size, num_tenants=len(workload.tenant_names))
+    # No queue holds more than the workload's rows, and the front takes num_slots entries from the pool.
+    pool_size = max(min(pool_size, request_rows(workload.num_requests)), num_slots)
+    return engine.QueueShape(pool_size=pool_size,
+                             num_tenants=_power_of_two_at_least(len(workload.tenant_names), MIN_TENANT_ROWS))
 
 
 def _grown(sizes: tuple[int, int], states: list, schedulers, workload: Workload) -> Optional[tuple[int, int]]:
@@ -151,11 +195,11 @@ def _grown(sizes: tuple[int, int], states: list, schedulers, workload: Workload)
     pool_full = any(bool(s.pool_filled) for s in states)
     if not (slots_full or pool_full):
         return None
-    schedule = _slot_schedule(schedulers)
+    schedule = slot_schedule(schedulers)
     if slots_full:
         num_slots = next(size for size in schedule if size > num_slots)
     if pool_full:
-        pool_size = min(max(workload.num_requests, 1), pool_size * POOL_GROWTH)
+        pool_size = min(request_rows(workload.num_requests), pool_size * POOL_GROWTH)
     return num_slots, pool_size
 
 
@@ -202,7 +246,8 @@ def engine_params(scheduler: SchedulerConfig, cost_params: Any, horizon_s: Optio
 
 def outcome_from_state(workload: Workload, state: engine.EngineState, horizon_s: Optional[float]) -> SimulationOutcome:
     """Engine state (one config, already on the host or device) to the shared outcome type."""
-    req = jax.tree_util.tree_map(np.asarray, state.requests)
+    # Rows past the workload's pad it to its compiled shape (padded_trace).
+    req = jax.tree_util.tree_map(lambda column: np.asarray(column)[:workload.num_requests], state.requests)
     status = req.status.astype(np.int64)
     if workload.closed_loop:
         # A call still NOT_ARRIVED was never released before the run stopped, or released past the horizon.
@@ -252,7 +297,7 @@ def _run_growing(workload: Workload, trace, params: list, cost_fn, schedulers, s
     `traces` (one per config, all of `workload`'s shape) each config runs over its own workload."""
     states: list = [None] * len(params)
     pending = list(range(len(params)))
-    sizes: Optional[tuple[int, int]] = (_slot_schedule(schedulers)[0], INITIAL_POOL)
+    sizes: Optional[tuple[int, int]] = (slot_schedule(schedulers)[0], INITIAL_POOL)
     while sizes is not None:
         shape = _queue_shape(workload, scored, *sizes)
         rows = _stack([params[i] for i in pending])
@@ -271,7 +316,7 @@ def _run_growing(workload: Workload, trace, params: list, cost_fn, schedulers, s
 def _run_one_growing(workload: Workload, trace, params, cost_fn, scheduler, compile_timer=None):
     """One config, growing its tables as needed; with a `compile_timer` list, compiles ahead of time and
     appends (compile s, simulate s) per attempt."""
-    sizes: Optional[tuple[int, int]] = (_slot_schedule([scheduler])[0], INITIAL_POOL)
+    sizes: Optional[tuple[int, int]] = (slot_schedule([scheduler])[0], INITIAL_POOL)
     while sizes is not None:
         shape = _queue_shape(workload, _is_scored(scheduler), *sizes)
         if compile_timer is None:
@@ -286,13 +331,21 @@ def _run_one_growing(workload: Workload, trace, params, cost_fn, scheduler, comp
     return state
 
 
+def engine_inputs(workload: Workload, scheduler: SchedulerConfig, cost_params: Any, horizon_s: Optional[float] = None,
+                  ttft_slo_ms: Optional[np.ndarray] = None, rate_limited: Optional[np.ndarray] = None):
+    """(trace, params, prefix-cache hits) for one config, as simulate_workload hands them to the engine."""
+    hits = prefix_cache_hits(workload, scheduler)
+    params = _params(workload, scheduler, cost_params, horizon_s, hits)
+    trace = padded_trace(device_trace(workload, scheduler.length_prediction_noise, ttft_slo_ms, rate_limited),
+                         request_rows(workload.num_requests))
+    return trace, params, hits
+
+
 def simulate_workload(workload: Workload, scheduler: SchedulerConfig, cost_fn: Callable, cost_params: Any,
                       horizon_s: Optional[float] = None, ttft_slo_ms: Optional[np.ndarray] = None,
                       rate_limited: Optional[np.ndarray] = None) -> SimulationOutcome:
     """Simulate one scheduler config over a workload (``ttft_slo_ms`` and ``rate_limited``: see device_trace)."""
-    hits = prefix_cache_hits(workload, scheduler)
-    params = _params(workload, scheduler, cost_params, horizon_s, hits)
-    trace = device_trace(workload, scheduler.length_prediction_noise, ttft_slo_ms, rate_limited)
+    trace, params, hits = engine_inputs(workload, scheduler, cost_params, horizon_s, ttft_slo_ms, rate_limited)
     state = _run_one_growing(workload, trace, params, cost_fn, scheduler)
     return _with_hits(outcome_from_state(workload, state, horizon_s), hits)
 
@@ -314,11 +367,12 @@ def simulate_many(workload: Workload, schedulers: Sequence[SchedulerConfig], cos
     groups: dict[tuple, list[int]] = {}
     for i, scheduler in enumerate(schedulers):
         scored = _is_scored(scheduler)
-        key = (scored, scheduler.length_prediction_noise if scored else 0.0, scheduler.enable_prefix_caching)
+        key = (scored, scheduler.length_prediction_noise if scored else 0.0)
         groups.setdefault(key, []).append(i)
     outcomes: list = [None] * len(schedulers)
-    for (scored, noise, _), members in groups.items():
-        trace = device_trace(workload, noise, ttft_slo_ms, rate_limited)
+    for (scored, noise), members in groups.items():
+        trace = padded_trace(device_trace(workload, noise, ttft_slo_ms, rate_limited),
+                             request_rows(workload.num_requests))
         states = _run_growing(workload, trace, [params[i] for i in members], cost_fn,
                               [schedulers[i] for i in members], scored)
         for i, state in zip(members, states):
@@ -328,21 +382,27 @@ def simulate_many(workload: Workload, schedulers: Sequence[SchedulerConfig], cos
 
 def simulate_seeds(workloads: Sequence[Workload], scheduler: SchedulerConfig, cost_fn: Callable, cost_params: Any,
                    horizon_s: Optional[float] = None) -> list[SimulationOutcome]:
-    """Simulate one scheduler config over many workloads of one shape -- the same request count, tenants and
-    sessions, as seeds of one workload spec give -- in one vmapped call."""
+    """Simulate one scheduler config over many workloads -- as seeds of one workload spec give: any request
+    counts, the same tenants and closed-loop sessions -- in one vmapped call."""
     if not workloads:
         return []
     first = workloads[0]
-    traces = [device_trace(w, scheduler.length_prediction_noise) for w in workloads]
+    rows = request_rows(max(w.num_requests for w in workloads))
+    traces = [padded_trace(device_trace(w, scheduler.length_prediction_noise), rows) for w in workloads]
     shapes = [jax.tree_util.tree_map(np.shape, t) for t in traces]
     for index, (w, shape) in enumerate(zip(workloads, shapes)):
         if shape != shapes[0] or w.tenant_names != first.tenant_names:
-            raise ValueError(f"simulate_seeds needs workloads of one shape: workload {index} has "
-                             f"{w.num_requests} requests and tenants {list(w.tenant_names)}, workload 0 "
-                             f"{first.num_requests} and {list(first.tenant_names)}")
+            sessions = len(np.unique(w.session)) if w.closed_loop else "no"
+            first_sessions = len(np.unique(first.session)) if first.closed_loop else "no"
+            raise ValueError(f"simulate_seeds needs workloads with the same tenants and sessions: workload {index} "
+                             f"has tenants {list(w.tenant_names)} and {sessions} sessions, workload 0 "
+                             f"{list(first.tenant_names)} and {first_sessions}")
     hits = [prefix_cache_hits(w, scheduler) for w in workloads]
-    params = [_params(w, scheduler, cost_params, horizon_s, h) for w, h in zip(workloads, hits)]
-    states = _run_growing(first, None, params, cost_fn, [scheduler] * len(workloads), _is_scored(scheduler), traces)
+    params = [_params(w, scheduler, cost_params, horizon_s, h, rows) for w, h in zip(workloads, hits)]
+    # The tables are sized for the longest workload (its rows cover every other's).
+    longest = max(workloads, key=lambda w: w.num_requests)
+    states = _run_growing(longest, None, params, cost_fn, [scheduler] * len(workloads), _is_scored(scheduler),
+                          traces)
     return [_with_hits(outcome_from_state(w, state, horizon_s), h) for w, state, h in zip(workloads, states, hits)]
 
 
@@ -350,9 +410,7 @@ def simulate_timed(workload: Workload, scheduler: SchedulerConfig, cost_fn: Call
                    horizon_s: Optional[float] = None, ttft_slo_ms: Optional[np.ndarray] = None,
                    rate_limited: Optional[np.ndarray] = None) -> tuple[SimulationOutcome, float, float]:
     """Like simulate_workload, also returning (compile seconds, simulate seconds) measured apart."""
-    hits = prefix_cache_hits(workload, scheduler)
-    params = _params(workload, scheduler, cost_params, horizon_s, hits)
-    trace = device_trace(workload, scheduler.length_prediction_noise, ttft_slo_ms, rate_limited)
+    trace, params, hits = engine_inputs(workload, scheduler, cost_params, horizon_s, ttft_slo_ms, rate_limited)
     timings: list = []
     state = _run_one_growing(workload, trace, params, cost_fn, scheduler, timings)
     compile_s, simulate_s = (sum(column) for column in zip(*timings))
