@@ -60,11 +60,17 @@ def attention_shapes(model: ModelSpec, tp: int) -> Shapes:
 
 def layer_shard(model: ModelSpec, tp: int, expert_parallel: bool = False) -> LayerShard:
     """What one of ``tp`` GPUs holds of each kind of layer; an ``InvalidValue`` (named ``tp``) for a split vLLM
-    refuses."""
+    refuses, or (named ``enable_expert_parallel``) for expert parallelism on a model without experts."""
     h, gated = model.hidden_size, model.gated_mlp
     attention = attention_shapes(model, tp)
     dense = _mlp(h, model.intermediate_size // tp, gated) if model.num_moe_layers < model.num_layers else ()
     moe = model.moe
+    if moe is None and expert_parallel:
+        # vLLM's flag changes only the expert layers, so on a dense model it would be silently ignored: refused
+        # here, so that no config claims a deployment it does not describe.
+        raise InvalidValue("enable_expert_parallel", True,
+                           f"false for {model.name}, which has no experts to shard (a dense model; expert "
+                           "parallelism is for mixture-of-experts models)")
     if moe is None:
         return LayerShard(attention, dense, (), (), (), 0)
     for name, width in (("expert", moe.expert_intermediate_size), ("shared expert", moe.shared_intermediate_size)):

@@ -46,15 +46,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                            "(default: vLLM 0.33's, min(512, 2 x max_num_seqs, max_num_batched_tokens) = "
                            f"{_default_capture_size()})")
     _add_precision(cost)
-    cost.add_argument("--enable-expert-parallel", action="store_true",
-                      help="MoE models: each GPU holds whole experts instead of a slice of each (vLLM's flag)")
+    _add_expert_parallel(cost)
     cost.add_argument("--expert-load-imbalance", type=float, default=0.0, metavar="FRACTION",
                       help="with --enable-expert-parallel: the busiest GPU gets this much more than its mean share "
                            "of routed tokens (default 0: uniform routing)")
     cost.add_argument("--json", action="store_true", help="print one JSON object")
     cost.set_defaults(func=run_cost)
 
-    memory = subparsers.add_parser("memory", help="KV-cache capacity as vLLM sizes it")
+    memory = subparsers.add_parser(
+        "memory", help="KV-cache capacity as vLLM sizes it",
+        description="KV-cache capacity as vLLM sizes it: weights, activation reserve, KV bytes per token, blocks. "
+                    "It reads no config file: each flag stands for a config key (--tp for hardware.tp, "
+                    "--kv-cache-dtype for kv_cache_dtype), and a flag left out takes that key's default.")
     _add_model_and_gpu(memory)
     scheduler = SchedulerConfig()
     memory.add_argument("--gpu-memory-utilization", type=float, default=HardwareConfig().gpu_memory_utilization,
@@ -65,6 +68,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="token budget per step, sizes the activation reserve (default %(default)s)")
     memory.add_argument("--max-num-seqs", type=int, default=scheduler.max_num_seqs,
                         help="most running requests, sizes the sampler's reserve (default %(default)s)")
+    _add_precision(memory)
+    _add_expert_parallel(memory)
     memory.add_argument("--json", action="store_true", help="print one JSON object")
     memory.set_defaults(func=run_memory)
 
@@ -142,12 +147,21 @@ def _default_capture_size() -> int:
 
 
 def _add_precision(parser: argparse.ArgumentParser) -> None:
-    """vLLM's --quantization and --kv-cache-dtype, as the config's quantization and kv_cache_dtype keys."""
-    parser.add_argument("--quantization", choices=QUANTIZATION_METHODS,
+    """vLLM's --quantization and --kv-cache-dtype, as the config's quantization and kv_cache_dtype keys. The values
+    are checked where the config's are, by ``models.with_serving_options`` (through ``resolve_model``), so that a
+    bad one is the same one-line error naming the flag, not argparse's usage text."""
+    parser.add_argument("--quantization", metavar="{" + ",".join(QUANTIZATION_METHODS) + "}",
                         help="the weights' format when the model's config.json names none (fp8: quantised on "
                              "loading; awq, gptq: a 4-bit checkpoint of the model); default: its config.json's")
-    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
-                        help="the KV cache's dtype: auto is the model's (default %(default)s)")
+    parser.add_argument("--kv-cache-dtype", metavar="{" + ",".join(KV_CACHE_DTYPES) + "}", default="auto",
+                        help="the KV cache's dtype: auto is the model's, the fp8 ones a byte per value "
+                             "(default %(default)s)")
+
+
+def _add_expert_parallel(parser: argparse.ArgumentParser) -> None:
+    """vLLM's --enable-expert-parallel, as the config's hardware.enable_expert_parallel key."""
+    parser.add_argument("--enable-expert-parallel", action="store_true",
+                        help="MoE models: each GPU holds whole experts instead of a slice of each (vLLM's flag)")
 
 
 def _add_model_and_gpu(parser: argparse.ArgumentParser) -> None:
@@ -159,7 +173,8 @@ def _add_model_and_gpu(parser: argparse.ArgumentParser) -> None:
 
 # The flag each value that the catalogue and the memory model check came from.
 FLAGS = {"model": "--model", "GPU": "--gpu", "gpu": "--gpu", "tp": "--tp", "quantization": "--quantization",
-         "kv_cache_dtype": "--kv-cache-dtype", "expert_load_imbalance": "--expert-load-imbalance",
+         "kv_cache_dtype": "--kv-cache-dtype", "enable_expert_parallel": "--enable-expert-parallel",
+         "expert_load_imbalance": "--expert-load-imbalance",
          "gpu_memory_utilization": "--gpu-memory-utilization", "block_size": "--block-size"}
 
 
@@ -233,8 +248,7 @@ def run_cost(args: argparse.Namespace) -> int:
                  "attention_flops": costs["attention_flops"], "allreduce_bytes": costs["allreduce_bytes"]},
         "bound": bound, "compute_bound_ms": 1e3 * costs["compute_bound_s"],
         "memory_bound_ms": 1e3 * costs["memory_bound_s"],
-        "precision": {"weights": "bf16" if model.quantization is None else model.quantization.describe,
-                      "kv_cache_dtype": model.kv_cache_dtype},
+        "precision": _precision(model),
     }
     if model.moe is not None:
         # under uniform routing: the expected distinct experts the step's tokens go to (roofline.experts_touched)
@@ -249,11 +263,9 @@ def run_cost(args: argparse.Namespace) -> int:
         print(json.dumps(result))
         return 0
     work = result["work"]
-    precision = "" if model.quantization is None and model.kv_cache_dtype == "auto" else \
-        f", weights {result['precision']['weights']}, KV {model.kv_cache_dtype}"
     table = Table(title=f"{model.name} on {gpu.name} × {args.tp}: one step of {args.decode_batch} decodes "
                         f"(context {args.context}) + {prefill} prefill tokens, {args.scheduling} scheduling"
-                        f"{precision}")
+                        f"{_precision_note(model)}")
     table.add_column("part")
     table.add_column("ms", justify="right")
     table.add_column("detail", justify="right")
@@ -292,12 +304,28 @@ def run_cost(args: argparse.Namespace) -> int:
     return 0
 
 
+def _precision(model) -> dict:
+    """The weights' format and the KV cache's dtype ``model`` is served with, as the commands report them."""
+    return {"weights": "bf16" if model.quantization is None else model.quantization.describe,
+            "kv_cache_dtype": model.kv_cache_dtype}
+
+
+def _precision_note(model) -> str:
+    """The precision for a table's title; nothing for BF16 weights and cache, the default."""
+    if model.quantization is None and model.kv_cache_dtype == "auto":
+        return ""
+    return f", weights {_precision(model)['weights']}, KV {model.kv_cache_dtype}"
+
+
 @_named_by_flags
 def run_memory(args: argparse.Namespace) -> int:
-    model, gpu = resolve_model(args.model), _resolve_gpu_flag(args.gpu)
+    model = resolve_model(args.model, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+    gpu = _resolve_gpu_flag(args.gpu)
     capacity = kv_capacity(model, gpu, args.tp, args.gpu_memory_utilization, args.block_size,
-                           args.max_num_batched_tokens, args.max_num_seqs)
-    result = {"model": model.name, "gpu": gpu.name, "tp": args.tp,
+                           args.max_num_batched_tokens, args.max_num_seqs,
+                           expert_parallel=args.enable_expert_parallel)
+    result = {"model": model.name, "gpu": gpu.name, "tp": args.tp, "precision": _precision(model),
+              "expert_parallel": args.enable_expert_parallel,
               "gpu_memory_utilization": args.gpu_memory_utilization, "gpu_memory_bytes": gpu.memory_bytes,
               "weight_bytes_per_gpu": capacity.weight_bytes, "kv_bytes_per_token": capacity.kv_bytes_per_token,
               "activation_reserve_bytes": capacity.activation_reserve_bytes,
@@ -306,8 +334,9 @@ def run_memory(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    table = Table(title=f"KV cache of {model.name} on {gpu.name} × {args.tp} "
-                        f"at gpu_memory_utilization {args.gpu_memory_utilization}")
+    experts = " with expert parallelism" if args.enable_expert_parallel else ""
+    table = Table(title=f"KV cache of {model.name} on {gpu.name} × {args.tp}{experts} "
+                        f"at gpu_memory_utilization {args.gpu_memory_utilization}{_precision_note(model)}")
     table.add_column("per GPU")
     table.add_column("value", justify="right")
     table.add_row("memory × utilization", f"{capacity.usable_bytes / GIB:.2f} GiB")

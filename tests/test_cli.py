@@ -272,7 +272,9 @@ def _printed_at_80_columns(argv: list[str], monkeypatch, capsys) -> str:
 
 
 @pytest.mark.parametrize("argv", [["models"], ["gpus"], ["cost", "--decode-batch", "32"],
-                                  ["memory", "--model", "llama-3-70b", "--gpu", "h100-80gb", "--tp", "4"]])
+                                  ["memory", "--model", "llama-3-70b", "--gpu", "h100-80gb", "--tp", "4"],
+                                  ["memory", "--model", "mixtral-8x7b", "--gpu", "h100-80gb", "--tp", "4",
+                                   "--enable-expert-parallel", "--quantization", "fp8", "--kv-cache-dtype", "fp8"]])
 def test_the_catalogue_and_cost_tables_fit_80_columns_uncut(argv, monkeypatch, capsys):
     _printed_at_80_columns(argv, monkeypatch, capsys)
 
@@ -316,6 +318,14 @@ def test_the_calibration_report_fits_80_columns_uncut(tmp_path, monkeypatch, cap
     (["cost", "--gpu", "h1000", "--decode-batch", "1"], "--gpu: got 'h1000', expected a known GPU"),
     (["memory", "--model", "llama-2-7b", "--gpu", "h100-80gb", "--tp", "3"],
      "--tp: got 3, expected a divisor of llama-2-7b's 32 attention heads"),
+    # the config's validator of these keys, so the same values are refused the same way
+    (["memory", "--kv-cache-dtype", "fp16"],
+     "--kv-cache-dtype: got 'fp16', expected one of auto, fp8, fp8_e4m3, fp8_e5m2"),
+    (["memory", "--quantization", "int8"],
+     "--quantization: got 'int8', expected null or one of fp8, awq, gptq, compressed-tensors, mxfp4"),
+    (["cost", "--kv-cache-dtype", "fp16", "--decode-batch", "1"], "--kv-cache-dtype: got 'fp16', expected one of auto"),
+    (["memory", "--model", "llama-3-8b", "--enable-expert-parallel"],
+     "--enable-expert-parallel: got True, expected false for llama-3-8b, which has no experts to shard"),
 ])
 def test_cost_and_memory_errors_name_the_flag(argv, message, capsys):
     assert main(argv) == 2

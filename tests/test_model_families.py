@@ -275,6 +275,34 @@ def test_expert_parallelism_holds_whole_experts_unevenly_split(tmp_path):
                              8)
 
 
+# Llama-3-8B (meta-llama/Meta-Llama-3-8B's config.json): 32 layers, hidden 4096, 32 query and 8 key/value heads of
+# 128, a gated MLP of 14336, a vocabulary of 128256 in an untied input table and LM head.
+LLAMA3_LAYER = 4096 * (32 + 2 * 8) * 128 + 32 * 128 * 4096 + 3 * 4096 * 14336   # fused QKV, output, gate/up, down
+LLAMA3_EMBEDDINGS = 2 * 128256 * 4096
+
+
+def test_memory_takes_vllms_precision_flags(capsys):
+    def memory(*flags: str) -> dict:
+        code, out = run_cli(capsys, "memory", "--model", "llama-3-8b", "--gpu", "h100-80gb", *flags, "--json")
+        assert code == 0
+        return json.loads(out)
+
+    bf16, fp8_kv, fp8_weights = memory(), memory("--kv-cache-dtype", "fp8"), memory("--quantization", "fp8")
+    # 2 (K and V) x layers x KV heads x head_dim x bytes per value
+    assert bf16["kv_bytes_per_token"] == 2 * 32 * 8 * 128 * 2 == 131_072
+    assert fp8_kv["kv_bytes_per_token"] == 2 * 32 * 8 * 128 * 1 == 65_536
+    # the same bytes left for the cache hold twice the tokens, to a block's rounding
+    assert fp8_kv["kv_cache_bytes"] == bf16["kv_cache_bytes"]
+    assert fp8_kv["num_kv_blocks"] in (2 * bf16["num_kv_blocks"], 2 * bf16["num_kv_blocks"] + 1)
+    assert fp8_kv["token_capacity"] == 16 * fp8_kv["num_kv_blocks"]
+    # BF16: two bytes a weight; FP8: one byte a layer weight, the embeddings and LM head staying BF16
+    assert bf16["weight_bytes_per_gpu"] == 2 * (32 * LLAMA3_LAYER + LLAMA3_EMBEDDINGS) == 16_059_990_016
+    assert fp8_weights["weight_bytes_per_gpu"] == 32 * LLAMA3_LAYER + 2 * LLAMA3_EMBEDDINGS == 9_080_668_160
+    # and what FP8 weights free goes to the cache
+    assert fp8_weights["kv_cache_bytes"] - bf16["kv_cache_bytes"] == pytest.approx(32 * LLAMA3_LAYER)
+    assert fp8_weights["precision"] == {"weights": "fp8 (W8A8)", "kv_cache_dtype": "auto"}
+
+
 def test_fp8_kv_cache_doubles_the_blocks_and_sliding_layers_are_sized_the_hybrid_way():
     def config(**top):
         return Config(hardware=HardwareConfig(gpu="h100-80gb", tp=2), cost_model=CostModelConfig(kind="roofline"),
