@@ -82,6 +82,7 @@ def _defined_gpu(definition: GpuDefinition) -> GpuSpec:
 # The config field each name the cost models give a bad value comes from (resolve_model's model, kv_capacity's
 # gpu, heads_per_gpu's tp, ...).
 CONFIG_FIELDS = {"model": "model", "GPU": "hardware.gpu", "gpu": "hardware.gpu", "tp": "hardware.tp",
+                 "enable_expert_parallel": "hardware.enable_expert_parallel",
                  "gpu_memory_utilization": "hardware.gpu_memory_utilization", "block_size": "scheduler.block_size",
                  "profile": "cost_model.profile"}
 

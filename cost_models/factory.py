@@ -47,15 +47,17 @@ def build_cost_model(config: Config) -> tuple[Callable, Any]:
         capture = roofline.vllm_cudagraph_capture_size(scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
         return roofline.step_time_s, roofline.build_roofline_params(
             model, gpu, config.hardware.tp, calibration, async_scheduling=scheduler.pipelined,
-            cudagraph_capture_size=capture)
+            cudagraph_capture_size=capture, expert_parallel=config.hardware.enable_expert_parallel)
 
 
 def derive_num_kv_blocks(config: Config) -> int:
-    """KV blocks per GPU as vLLM would size them for this model, GPU, TP, memory share and batch limits; an
-    ``InvalidValue`` named by its config field (hardware.gpu when the model does not fit) when there are none."""
+    """KV blocks per GPU as vLLM would size them for this model, GPU, TP (and expert parallelism), memory share and
+    batch limits; an ``InvalidValue`` named by its config field (hardware.gpu when the model does not fit) when
+    there are none."""
     with as_config_fields():
         model = resolve_model(config.model, _config_dir(config), config.quantization, config.kv_cache_dtype)
         capacity = kv_capacity(model, resolve_gpu(config.hardware.gpu),
                                config.hardware.tp, config.hardware.gpu_memory_utilization, config.scheduler.block_size,
-                               config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs)
+                               config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
+                               expert_parallel=config.hardware.enable_expert_parallel)
     return capacity.num_kv_blocks

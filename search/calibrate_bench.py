@@ -295,7 +295,8 @@ class Replay:
             base_dir = _config_dir(self.config)
             self.geometry = build_roofline_params(resolve_model(self.config.model, base_dir, self.config.quantization,
                                                                 self.config.kv_cache_dtype),
-                                                  resolve_gpu(self.config.hardware.gpu), self.config.hardware.tp)
+                                                  resolve_gpu(self.config.hardware.gpu), self.config.hardware.tp,
+                                                  expert_parallel=self.config.hardware.enable_expert_parallel)
         self.width = width
 
     def run(self, calibrations: Sequence[Calibration]) -> list[Simulated]:

@@ -183,8 +183,9 @@ def _print_report(console: Console, source: str, report,
     scheduler = config.scheduler
     # Unset, max_model_len is what the KV cache holds (SchedulerConfig.model_len_limit).
     kv_bound = " (what the KV cache holds)" if scheduler.max_model_len is None else ""
+    experts = " with expert parallelism" if config.hardware.enable_expert_parallel else ""
     console.print(f"[bold]{source}[/bold]: {report.workload.description}; {config.model} on "
-                  f"{config.hardware.gpu_name} ×{config.hardware.tp}, {config.cost_model.kind} cost model, "
+                  f"{config.hardware.gpu_name} ×{config.hardware.tp}{experts}, {config.cost_model.kind} cost model, "
                   f"{scheduler.policy} batching, {'async' if scheduler.pipelined else 'synchronous'} scheduling, "
                   f"max_model_len {scheduler.model_len_limit}{kv_bound}")
 

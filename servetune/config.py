@@ -107,6 +107,9 @@ class HardwareConfig:
         "{name, memory_gib, memory_gb_per_s, bf16_tflops, fp8_tflops, int8_tops, interconnect_gb_per_s}"
     ))] = "a100-80gb"
     tp: Annotated[Int, Field(ge=1, le=1024)] = 1
+    # vLLM's --enable-expert-parallel: an MoE model's GPUs hold whole experts, ceil(experts / tp) on the fullest,
+    # instead of a 1/tp slice of every expert (cost_models/sharding.py); refused for a model without experts
+    enable_expert_parallel: Bool = False
     gpu_memory_utilization: Fraction = 0.92   # fraction of GPU memory the engine may use (vLLM's flag)
 
     @property

@@ -1083,7 +1083,8 @@ def _check_model_and_hardware(config: Config, report: _Reporter, base_dir: Path)
 
     def capacity_at(utilization: float) -> KvCapacity:
         return kv_capacity(model, gpu, hardware.tp, utilization, scheduler.block_size,
-                           scheduler.max_num_batched_tokens, scheduler.max_num_seqs)
+                           scheduler.max_num_batched_tokens, scheduler.max_num_seqs,
+                           expert_parallel=hardware.enable_expert_parallel)
 
     try:
         with as_config_fields():

@@ -57,7 +57,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "memory", help="KV-cache capacity as vLLM sizes it",
         description="KV-cache capacity as vLLM sizes it: weights, activation reserve, KV bytes per token, blocks. "
                     "It reads no config file: each flag stands for a config key (--tp for hardware.tp, "
-                    "--kv-cache-dtype for kv_cache_dtype), and a flag left out takes that key's default.")
+                    "--kv-cache-dtype for kv_cache_dtype, --enable-expert-parallel for "
+                    "hardware.enable_expert_parallel), and a flag left out takes that key's default.")
     _add_model_and_gpu(memory)
     scheduler = SchedulerConfig()
     memory.add_argument("--gpu-memory-utilization", type=float, default=HardwareConfig().gpu_memory_utilization,

@@ -229,6 +229,17 @@ def test_the_config_keys_refuse_what_vllm_would(key, value, message):
         config_from_dict({"model": "mixtral-8x7b", "hardware": {"gpu": "h100-80gb", "tp": 2}, key: value})
 
 
+@pytest.mark.parametrize("model, value, message", [
+    ("llama-3-8b", True, "hardware.enable_expert_parallel: got true, expected false for llama-3-8b, which has no "
+                         "experts to shard"),
+    ("mixtral-8x7b", "yes", "hardware.enable_expert_parallel: got 'yes', expected true or false"),
+])
+def test_the_expert_parallel_key_is_a_switch_for_models_with_experts(model, value, message):
+    with pytest.raises(ConfigError) as error:
+        config_from_dict({"model": model, "hardware": {"gpu": "h100-80gb", "tp": 2, "enable_expert_parallel": value}})
+    assert len(error.value.lines) == 1 and message in error.value.lines[0]
+
+
 # ---------------------------------------------------------------------------------- memory
 
 
@@ -301,6 +312,54 @@ def test_memory_takes_vllms_precision_flags(capsys):
     # and what FP8 weights free goes to the cache
     assert fp8_weights["kv_cache_bytes"] - bf16["kv_cache_bytes"] == pytest.approx(32 * LLAMA3_LAYER)
     assert fp8_weights["precision"] == {"weights": "fp8 (W8A8)", "kv_cache_dtype": "auto"}
+
+
+def test_the_expert_parallel_key_sizes_the_cache_and_prices_the_steps(tmp_path, capsys):
+    from servetune.cost_models.factory import build_cost_model
+
+    # Mixtral's shapes with 6 experts over 4 GPUs: under expert parallelism the fullest GPU holds 2 whole experts
+    # (vLLM's determine_expert_map gives the first 6 % 4 GPUs one more than 6 // 4), under TP a quarter of all 6.
+    path = with_changes(tmp_path, "mixtral-8x7b", num_local_experts=6)
+    h, width, layers = 4096, 14336, 32
+    attention = h * (8 + 2 * 2) * 128 + 8 * 128 * h      # 32/4 query and 8/4 key/value heads of 128 a GPU
+    router = h * 6                                       # replicated
+    embeddings = 2 * 32000 * h // 4                      # vocabulary-parallel input table and LM head
+    expert = 3 * h * width                               # one whole gated expert
+    ep_weights = 2 * (layers * (attention + router + 2 * expert) + embeddings)
+    code, out = run_cli(capsys, "memory", "--model", str(path), "--gpu", "h100-80gb", "--tp", "4",
+                        "--enable-expert-parallel", "--json")
+    assert code == 0 and json.loads(out)["weight_bytes_per_gpu"] == ep_weights == 23_352_311_808
+
+    def config(expert_parallel: bool) -> Config:
+        return config_from_dict({"model": str(path), "cost_model": {"kind": "roofline"},
+                                 "hardware": {"gpu": "h100-80gb", "tp": 4, "enable_expert_parallel": expert_parallel}})
+
+    # The cache vLLM sizes at the defaults (utilization 0.92, 2048 batched tokens, 64 seats, blocks of 16): each
+    # token's MoE activations are the residual stream twice and, for each of its 2 experts with the share 2/6 of
+    # them this GPU holds, gate/up, activation and output; the sampler's FP32 logits and probabilities; 1 GiB.
+    activations = math.ceil(2 * h + 2 * (2 / 6) * (2 * width + width + h)) * 2 * 2048
+    reserve = activations + 64 * 32000 * 4 * 2 + GIB
+    block_bytes = 16 * 2 * layers * (8 // 4) * 128 * 2
+    assert derive_num_kv_blocks(config(True)) == int((80 * GIB * 0.92 - ep_weights - reserve) // block_bytes)
+    assert derive_num_kv_blocks(config(True)) < derive_num_kv_blocks(config(False))
+    # A prefill of 2048 tokens reaches every expert: it reads the 2 whole experts a GPU holds, not 6 quarters.
+    prefill = batch(prefill_tokens=2048)
+    routed = {ep: float(step_costs(build_cost_model(config(ep))[1], prefill).routed_weight_bytes)
+              for ep in (True, False)}
+    assert routed[True] == pytest.approx(2 * layers * 2 * expert, rel=1e-6)
+    assert routed[False] == pytest.approx(2 * layers * 6 * expert / 4, rel=1e-6)
+
+
+def test_the_expert_parallel_key_enters_the_config_hash_only_when_set():
+    from servetune.search.provenance import config_hash, content_data
+
+    def config(**hardware) -> Config:
+        return config_from_dict({"model": "mixtral-8x7b", "hardware": {"gpu": "h100-80gb", "tp": 2, **hardware}})
+
+    # left out at its default, so that studies and policies recorded before the key existed keep their hashes
+    assert "enable_expert_parallel" not in content_data(config())["hardware"]
+    assert config_hash(config(enable_expert_parallel=False)) == config_hash(config())
+    assert config_hash(config(enable_expert_parallel=True)) != config_hash(config())
 
 
 def test_fp8_kv_cache_doubles_the_blocks_and_sliding_layers_are_sized_the_hybrid_way():
@@ -521,12 +580,13 @@ def test_the_vllm_export_carries_the_precision_flags():
     assert "quantization:" not in export(Policy(deepseek, kv_blocks_given=False), "vllm").text
 
 
-def test_simulate_runs_an_moe_model_with_an_fp8_kv_cache():
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_simulate_runs_an_moe_model_with_an_fp8_kv_cache(expert_parallel):
     from servetune.pipeline import simulate_config
 
     # the shapes of test_gpu_definitions.py's small run, so that the compiled engine is shared
-    config = config_from_dict({"model": "mixtral-8x7b", "kv_cache_dtype": "fp8",
-                               "hardware": {"gpu": "h100-80gb", "tp": 2}, "cost_model": {"kind": "roofline"},
+    config = config_from_dict({"model": "mixtral-8x7b", "kv_cache_dtype": "fp8", "cost_model": {"kind": "roofline"},
+                               "hardware": {"gpu": "h100-80gb", "tp": 2, "enable_expert_parallel": expert_parallel},
                                "workload": {"arrivals": {"kind": "poisson", "rate": 40.0}, "num_requests": 12,
                                             "lengths": {"kind": "fixed", "prompt_tokens": 96, "output_tokens": 12}},
                                "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 256}})
