@@ -24,8 +24,9 @@ rules of their own, so each gets the simulated cache's usable tokens, (num_kv_bl
 cache size in tokens.
 
 The model's precision goes to vLLM as ``quantization`` (only for FP8 quantisation of a BF16 checkpoint on loading;
-vLLM reads a quantised checkpoint's method from its config.json) and ``kv-cache-dtype``; the other engines list
-them among the knobs they do not express.
+vLLM reads a quantised checkpoint's method from its config.json) and ``kv-cache-dtype``, expert parallelism as
+``enable-expert-parallel``; the other engines list them among the knobs they do not express (SGLang's
+``--ep-size`` takes a degree, not a switch, and its expert placement is not modelled here).
 
 The admission limit ``max_num_queued_reqs`` counts unfinished requests, waiting and running, as vLLM's
 ``max-num-queued-reqs`` does (vllm/v1/engine/async_llm.py); TGI's ``--max-concurrent-requests`` counts the
@@ -56,14 +57,16 @@ NEUTRAL = {"scheduler.long_prefill_token_threshold": 0, "scheduler.watermark": 0
            "scheduler.max_num_queued_reqs": None, "hardware.tp": 1, "scheduler.queue_order": "fcfs",
            "scheduler.priority_weights": None, "scheduler.length_prediction_noise": 0.0,
            "scheduler.enable_prefix_caching": False, "scheduler.async_scheduling": None,
-           "scheduler.reserve_full_prompt": True, "quantization": None, "kv_cache_dtype": "auto"}
+           "scheduler.reserve_full_prompt": True, "quantization": None, "kv_cache_dtype": "auto",
+           "hardware.enable_expert_parallel": False}
 
-# vLLM 0.33's scheduler and cache keys (engines.md; the last three as vllm/engine/arg_utils.py spells them, a
+# vLLM 0.33's scheduler and cache keys (engines.md; the last four as vllm/engine/arg_utils.py spells them, a
 # `false` written as --no-KEY); its SchedulerConfig refuses any other key at start-up.
 VLLM_KEYS = ("max-num-seqs", "max-num-batched-tokens", "enable-chunked-prefill", "long-prefill-token-threshold",
              "scheduling-policy", "max-num-queued-reqs", "max-num-queued-tokens", "watermark", "block-size",
              "gpu-memory-utilization", "enable-prefix-caching", "max-model-len", "async-scheduling",
-             "scheduler-reserve-full-isl", "num-gpu-blocks-override", "quantization", "kv-cache-dtype")
+             "scheduler-reserve-full-isl", "num-gpu-blocks-override", "quantization", "kv-cache-dtype",
+             "enable-expert-parallel")
 # How each engine orders requests by priority (used when servetune's queue orders carry priorities):
 # servetune follows vLLM, lower value first.
 PRIORITY_ORDER = {"vllm": "lower value served first", "sglang": "higher value served first (negate servetune's)",
@@ -97,6 +100,7 @@ def in_effect(config: Config) -> dict[str, Any]:
     skip = CONTINUOUS_ONLY if config.scheduler.policy == "static" else STATIC_ONLY
     knobs = {f"scheduler.{f.name}": getattr(config.scheduler, f.name) for f in dataclasses.fields(SchedulerConfig)}
     knobs["hardware.tp"] = config.hardware.tp
+    knobs["hardware.enable_expert_parallel"] = config.hardware.enable_expert_parallel
     knobs["quantization"], knobs["kv_cache_dtype"] = config.quantization, config.kv_cache_dtype
     return {key: value for key, value in knobs.items() if key not in skip}
 
@@ -228,11 +232,13 @@ def _vllm(policy: Policy) -> tuple[dict, list[str]]:
         keys["watermark"] = s.watermark
     precision, precision_warnings = _vllm_precision(policy.config)
     keys.update(precision)
+    if policy.config.hardware.enable_expert_parallel:
+        keys["enable-expert-parallel"] = True
     expressed = {"scheduler.max_num_seqs", "scheduler.batch_size", "scheduler.max_num_batched_tokens",
                  "scheduler.enable_chunked_prefill", "scheduler.long_prefill_token_threshold", "scheduler.block_size",
                  "scheduler.num_kv_blocks", "scheduler.watermark", "scheduler.max_num_queued_reqs",
                  "scheduler.enable_prefix_caching", "scheduler.max_model_len", "scheduler.async_scheduling",
-                 "scheduler.reserve_full_prompt", "quantization", "kv_cache_dtype"}
+                 "scheduler.reserve_full_prompt", "quantization", "kv_cache_dtype", "hardware.enable_expert_parallel"}
     if s.queue_order == "priority":
         expressed.add("scheduler.queue_order")
     warnings = _unexpressed(policy.config, expressed, "vllm") + precision_warnings

@@ -13,6 +13,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import yaml
 
 from servetune.config import Config, CostModelConfig, HardwareConfig
 from servetune.config_loader import config_from_dict
@@ -578,6 +579,24 @@ def test_the_vllm_export_carries_the_precision_flags():
     deepseek = resolve(config_from_dict({"model": "deepseek-v3", "quantization": "fp8",
                                          "cost_model": {"kind": "roofline"}, "hardware": {"gpu": "h200", "tp": 8}}))
     assert "quantization:" not in export(Policy(deepseek, kv_blocks_given=False), "vllm").text
+
+
+def test_the_vllm_export_carries_enable_expert_parallel():
+    from servetune.pipeline import resolve
+    from servetune.search.export import Policy, export
+
+    def exported(engine: str, expert_parallel: bool):
+        config = resolve(config_from_dict({"model": "mixtral-8x7b", "cost_model": {"kind": "roofline"},
+                                           "hardware": {"gpu": "h100-80gb", "tp": 2,
+                                                        "enable_expert_parallel": expert_parallel}}))
+        return export(Policy(config, kv_blocks_given=True), engine)
+
+    on = exported("vllm", True)
+    assert yaml.safe_load(on.text)["enable-expert-parallel"] is True   # vLLM 0.33's --enable-expert-parallel
+    assert not any("enable_expert_parallel" in warning for warning in on.warnings)
+    assert "enable-expert-parallel" not in exported("vllm", False).text
+    # SGLang's --ep-size takes a degree whose placement servetune does not model: listed, not written
+    assert "sglang cannot express hardware.enable_expert_parallel=true" in exported("sglang", True).warnings
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True])
