@@ -37,7 +37,7 @@ from servetune.envs.sim.prefix_cache import PrefixHits
 from servetune.envs.sim.queue_order import NO_DEADLINE_S
 from servetune.envs.sim.double_float import split_double
 from servetune.envs.sim.simulator import (
-    concurrency_bound, device_trace, engine_params, iteration_guard, prefix_cache_hits,
+    concurrency_bound, device_trace, engine_params, iteration_guard, prefix_cache_hits, request_rows,
 )
 from servetune.envs.workload.slos import RequestSlos, per_request_slos
 from servetune.envs.workload.requests import Workload, build_workload, take_rows
@@ -240,10 +240,11 @@ def build_world(config: Union[str, Path, Mapping, Config], *, overrides: Sequenc
                                    rate_limited(workload, config.workload.tenants)[:count]))
     if len({w.tenant_names for w in workloads}) != 1:
         raise ValueError("the bank's workloads name different tenants; per-class observations need one set")
-    size = max(max(counts), 1)
+    # Banks of nearby window lengths share compiled engines (envs/sim/simulator.py, request_rows).
+    size = request_rows(max(counts))
 
-    # Padding arrives at +inf: never, to the engine, whose idle jumps then always stop at a finite horizon.
-    # Its other fields only need to be harmless values (zeros unless listed here).
+    # Padding arrives at +inf: never, to the engine. Its other fields only need to be harmless values (zeros
+    # unless listed here).
     pad_fill = dict(arrival_hi=np.inf, prompt=1, output=1, predicted_output=1.0, ttft_budget=NO_DEADLINE_S)
     trace = engine.Trace(**{
         field.name: jnp.asarray(np.stack([_pad(np.asarray(getattr(t, field.name)), size,

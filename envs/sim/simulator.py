@@ -291,6 +291,12 @@ def _stack(params: Sequence[engine.EngineParams]) -> engine.EngineParams:
     return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *params)
 
 
+def _batch_lanes(count: int) -> int:
+    """The batch size `count` runs run as (the last repeated): a power of two up to 8, then a multiple of 8 --
+    few sizes to compile, and at most 1/8 of a large batch's work wasted."""
+    return _power_of_two_at_least(count, 1) if count <= 8 else -(-count // 8) * 8
+
+
 def _run_growing(workload: Workload, trace, params: list, cost_fn, schedulers, scored: bool,
                  traces: Optional[list] = None) -> list:
     """Run every config, rerunning those whose slot table or queue pool filled up with larger ones. With
@@ -300,11 +306,12 @@ def _run_growing(workload: Workload, trace, params: list, cost_fn, schedulers, s
     sizes: Optional[tuple[int, int]] = (slot_schedule(schedulers)[0], INITIAL_POOL)
     while sizes is not None:
         shape = _queue_shape(workload, scored, *sizes)
-        rows = _stack([params[i] for i in pending])
+        lanes = pending + [pending[-1]] * (_batch_lanes(len(pending)) - len(pending))
+        rows = _stack([params[i] for i in lanes])
         if traces is None:
             batch = engine.run_many(trace, rows, cost_fn, sizes[0], shape)
         else:
-            batch = engine.run_many_traces(_stack([traces[i] for i in pending]), rows, cost_fn, sizes[0], shape)
+            batch = engine.run_many_traces(_stack([traces[i] for i in lanes]), rows, cost_fn, sizes[0], shape)
         batch = jax.device_get(batch)
         for row, i in enumerate(pending):
             states[i] = jax.tree_util.tree_map(lambda x: x[row], batch)
