@@ -242,9 +242,7 @@ def _spec(name, repo, layers, hidden, heads, kv_heads, intermediate, vocab, max_
 # The context length (the ninth value) is each config.json's max_position_embeddings. Llama 3.1's rope_scaling is
 # rope_type "llama3", which vLLM does not multiply in (max_position_embeddings is already the extended length);
 # the others have no rope_scaling (OPT has learned absolute positions). Mistral's sliding_window (4096) does not
-# cap it: vLLM only does so under --disable-sliding-window. The entry does not carry that window as LocalAttention
-# either, though vLLM attends within it: that would lower its attention costs beyond 4096 tokens, and the entries
-# that predate the model families keep their step costs (its config.json, given as --model, carries the window).
+# cap it: vLLM only does so under --disable-sliding-window.
 # Copies of these config.json values checked against:
 #   Llama 2: verbatim configs in scaleapi/llm-engine model-engine/tests/unit/domain/test_llm_use_cases.py
 #     (7b, 13b, 70b: 4096) and transformers' load log of meta-llama/Llama-2-7b-hf (snapshot 8a0442e8): 4096.
@@ -278,7 +276,13 @@ MODELS: dict[str, ModelSpec] = {
         _spec("llama-3.1-8b", "meta-llama/Llama-3.1-8B", 32, 4096, 32, 8, 14336, 128256, 131072),
         _spec("llama-3-70b", "meta-llama/Meta-Llama-3-70B", 80, 8192, 64, 8, 28672, 128256, 8192),
         _spec("llama-3.1-70b", "meta-llama/Llama-3.1-70B", 80, 8192, 64, 8, 28672, 128256, 131072),
-        _spec("mistral-7b", "mistralai/Mistral-7B-v0.1", 32, 4096, 32, 8, 14336, 32000, 32768),
+        # mistralai/Mistral-7B-v0.1, whose config.json has "sliding_window": 4096 and no layer_types: every layer
+        # attends to the last 4,096 tokens, as vLLM serves it and as hf_config reads the file
+        # (tests/fixtures/hf/mistral-7b.json). The file as transformers 4.41.1 prints it:
+        # huggingface.co/mistralai/Mistral-7B-v0.1/discussions/153. Not v0.2 and later, which set
+        # "sliding_window": null (huggingface.co/mistralai/Mistral-7B-Instruct-v0.1/discussions/94).
+        _spec("mistral-7b", "mistralai/Mistral-7B-v0.1", 32, 4096, 32, 8, 14336, 32000, 32768,
+              local_attention=LocalAttention("sliding", 4096, 32)),
         _spec("qwen2.5-7b", "Qwen/Qwen2.5-7B", 28, 3584, 28, 4, 18944, 152064, 131072),
         _spec("qwen2.5-14b", "Qwen/Qwen2.5-14B", 48, 5120, 40, 8, 13824, 152064, 131072),
         _spec("qwen2.5-32b", "Qwen/Qwen2.5-32B", 64, 5120, 40, 8, 27648, 152064, 131072),

@@ -24,7 +24,7 @@ HF = Path(__file__).parent / "fixtures" / "hf"
 def test_config_json_gives_the_catalogue_shapes(file, catalogue_name):
     parsed, entry = resolve_model(str(HF / file)), MODELS[catalogue_name]
     for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
-                  "vocab_size", "gated_mlp", "tied_embeddings", "max_model_len"):
+                  "vocab_size", "gated_mlp", "tied_embeddings", "max_model_len", "local_attention"):
         assert getattr(parsed, field) == getattr(entry, field), field
     assert parsed.total_params == entry.total_params
 

@@ -21,8 +21,8 @@ from servetune.cost_cli import register
 from servetune.cost_models.catalog import resolve_gpu, resolve_model
 from servetune.cost_models.factory import derive_num_kv_blocks
 from servetune.cost_models.gpus import GIB
-from servetune.cost_models.memory import kv_bytes_per_token, kv_capacity, weight_bytes_per_gpu
-from servetune.cost_models.models import MODELS, QUANTIZATION_PRESETS, with_serving_options
+from servetune.cost_models.memory import kv_bytes_per_token, kv_capacity, weight_bytes_per_gpu, window_reserve_bytes
+from servetune.cost_models.models import MODELS, QUANTIZATION_PRESETS, LocalAttention, with_serving_options
 from servetune.cost_models.profile import SHIPPED_PROFILES_DIR, load_profile
 from servetune.cost_models.roofline import Calibration, build_roofline_params, experts_touched, step_costs
 from servetune.errors import ConfigError, InvalidValue, UserError
@@ -506,22 +506,65 @@ RECORDED_STEPS = [
      [0.012464603409171104, 0.03692176192998886, 0.40759289264678955, 2.4706571102142334, 1.465798020362854]),
     ("llama-3-70b", "h100-80gb", 4, True, "llama-2-7b_h100-80gb.json",
      [0.021563908085227013, 0.05027017742395401, 0.2380339503288269, 0.27843379974365234, 0.672823965549469]),
-    ("mistral-7b", "h100-80gb", 1, False, None,
-     [0.008299155160784721, 0.01565658487379551, 0.1052171140909195, 0.38902369141578674, 0.26481062173843384]),
 ]
 RECORDED_BLOCKS = [("llama-2-7b", "a100-80gb", 1, 7457), ("llama-3-70b", "h100-80gb", 4, 31031),
                    ("mistral-7b", "h100-80gb", 1, 29330), ("qwen2.5-7b", "l4", 1, 7052)]
 
 
-@pytest.mark.parametrize("model, gpu, tp, async_scheduling, profile, recorded", RECORDED_STEPS)
-def test_dense_step_costs_are_bit_for_bit_as_recorded(model, gpu, tp, async_scheduling, profile, recorded):
-    rows = [(0, 0, 0, 0, 8, 8 * 1025), (1, 512, 512, 512 * 256, 0, 0), (2, 3000, 5000, 4e6, 64, 64 * 9000),
-            (0, 0, 0, 0, 256, 256 * 30000), (1, 2048, 100000, 2048 * 99000, 3, 3 * 100)]
-    steps = StepBatch(*(jnp.array([row[i] for row in rows], jnp.float32) for i in range(6)))
+RECORDED_ROWS = [(0, 0, 0, 0, 8, 8 * 1025), (1, 512, 512, 512 * 256, 0, 0), (2, 3000, 5000, 4e6, 64, 64 * 9000),
+                 (0, 0, 0, 0, 256, 256 * 30000), (1, 2048, 100000, 2048 * 99000, 3, 3 * 100)]
+
+
+def recorded_step_times(model, gpu, tp, async_scheduling, profile) -> np.ndarray:
+    steps = StepBatch(*(jnp.array([row[i] for row in RECORDED_ROWS], jnp.float32) for i in range(6)))
     calibration = load_profile(SHIPPED_PROFILES_DIR / profile)[0] if profile else Calibration()
     params = build_roofline_params(MODELS[model], resolve_gpu(gpu), tp, calibration,
                                    async_scheduling=async_scheduling, cudagraph_capture_size=512)
-    assert np.array_equal(np.asarray(step_costs(params, steps).total_s), np.array(recorded, np.float32))
+    return np.asarray(step_costs(params, steps).total_s)
+
+
+@pytest.mark.parametrize("model, gpu, tp, async_scheduling, profile, recorded", RECORDED_STEPS)
+def test_dense_step_costs_are_bit_for_bit_as_recorded(model, gpu, tp, async_scheduling, profile, recorded):
+    assert np.array_equal(recorded_step_times(model, gpu, tp, async_scheduling, profile),
+                          np.array(recorded, np.float32))
+
+
+def test_mistral_7b_attends_within_its_4096_token_window():
+    # mistralai/Mistral-7B-v0.1's config.json: "sliding_window": 4096 on all 32 layers (test_hf_config.py holds the
+    # entry equal to the file)
+    mistral = MODELS["mistral-7b"]
+    assert mistral.local_attention == LocalAttention("sliding", 4096, 32)
+    params = build_roofline_params(mistral, H100, 1, NO_OVERHEADS)
+    per_token = 32 * 2 * 8 * 128 * 2   # layers x K and V x KV heads x head_dim x BF16 bytes
+    # decodes on 9,000 cached tokens read the last 4,096 (the query's own included); within the window, all of it
+    assert float(step_costs(params, batch(decodes=8, context=8999)).kv_bytes) == pytest.approx(
+        8 * 4096 * per_token, rel=1e-6)
+    assert float(step_costs(params, batch(decodes=8, context=1024)).kv_bytes) == pytest.approx(
+        8 * 1025 * per_token, rel=1e-6)
+    # the steps whose contexts stay within the window cost what they did before the entry had it (commit f96f66f);
+    # the three beyond it (contexts 9,000, 30,000 and 100,000) cost less
+    times = recorded_step_times("mistral-7b", "h100-80gb", 1, False, None)
+    before_window = np.array([0.008299155160784721, 0.01565658487379551, 0.1052171140909195,
+                              0.38902369141578674, 0.26481062173843384], np.float32)
+    assert np.array_equal(times[:2], before_window[:2]) and np.all(times[2:] < before_window[2:])
+
+
+def test_mistral_7b_kv_cache_by_hand():
+    """Every layer slides, so vLLM's pool (one KV group, all 32 layers per block) has the blocks a full-attention
+    model of these shapes would; vLLM's SlidingWindowManager.remove_skipped_blocks frees the blocks before token
+    computed - 4096 + 1, so a request holds at most ceil(4096 / 16) + 1 = 257 blocks of 16 tokens."""
+    mistral, gib = MODELS["mistral-7b"], 2**30
+    per_token = 32 * 2 * 8 * 128 * 2
+    layer = 4096 * (4096 + 2 * 8 * 128) + 4096 * 4096 + 3 * 4096 * 14336
+    weights = (32 * layer + 2 * 32000 * 4096) * 2
+    # one token's MLP activations x 2,048 batched tokens, FP32 logits and probabilities for 128 seats, 1 GiB
+    reserve = (2 * 4096 + 2 * 14336 + 14336) * 2 * 2048 + 128 * 32000 * 4 * 2 + gib
+    blocks = int((80 * gib * 0.9 - weights - reserve) // (16 * per_token))
+    capacity = kv_capacity(mistral, H100, 1, 0.9, 16, 2048, 128)
+    assert (capacity.num_kv_blocks, capacity.kv_bytes_per_token) == (blocks, per_token)
+    assert capacity.window_reserve_bytes == 0
+    # one seat's window in the hybrid manager's terms: 257 blocks of 16 tokens on every layer
+    assert window_reserve_bytes(mistral, 1, 16, max_num_batched_tokens=0, max_num_seqs=1) == 257 * 16 * per_token
 
 
 @pytest.mark.parametrize("model, gpu, tp, recorded", RECORDED_BLOCKS)
