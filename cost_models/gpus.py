@@ -14,8 +14,10 @@ Sources (NVIDIA datasheets unless noted):
           3.35 TB/s, NVLink 900 GB/s; PCIe BF16 1,513 sparse (756 dense), 80GB HBM2e 2.0 TB/s, PCIe Gen5 128 GB/s.
   [H200]  NVIDIA H200 Tensor Core GPU datasheet: SXM BF16 1,979 TFLOPS sparse (989 dense), 141GB HBM3e
           4.8 TB/s, NVLink 900 GB/s.
-  [L40S]  NVIDIA L40S datasheet: BF16 362.05 TFLOPS dense (733 sparse), 48GB GDDR6 864 GB/s, PCIe Gen4
-          x16 64 GB/s bidirectional, no NVLink.
+  [L40S]  NVIDIA L40S datasheet (l40s-datasheet; its table as resellers reproduce it, e.g. mullet.se product
+          355414, beside the L40's): BF16/FP16 "362.05 | 733*" TFLOPS, FP8 "733 | 1,466*", "* With Sparsity", so
+          362.05 is the dense figure (the L40's is 181.05 | 362.1*); 48GB GDDR6 864 GB/s, PCIe Gen4 x16 64 GB/s
+          bidirectional, no NVLink.
   [L4]    NVIDIA L4 Tensor Core GPU datasheet: BF16 242 TFLOPS sparse (121 dense), 24GB GDDR6 300 GB/s,
           PCIe Gen4 x16 64 GB/s.
   [A10G]  AWS publishes no datasheet for its A10G (EC2 G5); Baseten, "NVIDIA A10 vs A10G for ML model

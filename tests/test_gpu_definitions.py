@@ -235,6 +235,16 @@ def test_the_new_catalogue_gpus_carry_their_datasheet_figures(name, aliases, fig
     assert vllm_default_knobs(config)["scheduler.max_num_batched_tokens"] == 8192
 
 
+def test_the_l40s_carries_its_datasheet_figures():
+    # [L40S] BF16 "362.05 | 733*" and FP8 "733 | 1,466*" TFLOPS, * with sparsity: the first figure is dense
+    # (not the L40's 181.05); INT8 733 TOPS dense; 48 GB GDDR6 at 864 GB/s; PCIe Gen4 x16, 64 GB/s both ways
+    gpu = resolve_gpu("L40S")
+    figures = dict(peak_flops_per_s=362.05e12, peak_fp8_flops_per_s=733e12, peak_int8_ops_per_s=733e12,
+                   memory_bytes=48 * GIB, memory_bytes_per_s=864e9, interconnect_bytes_per_s=64e9)
+    assert {field: getattr(gpu, field) for field in figures} == pytest.approx(figures, rel=1e-12)
+    assert (gpu.interconnect, gpu.source) == ("PCIe Gen4 x16", "[L40S]")
+
+
 def test_servetune_gpus_shows_the_low_precision_rates_and_every_field(monkeypatch, capsys):
     monkeypatch.setenv("COLUMNS", "80")
     assert main(["gpus"]) == 0
