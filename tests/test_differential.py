@@ -28,9 +28,10 @@ from typing import Optional
 import numpy as np
 import pytest
 
-from conftest import linear
+from conftest import linear, scheduler_config
 from servetune.config import SchedulerConfig
 from servetune.cost_models.linear import LinearCostParams, step_time_s
+from servetune.envs.sim import engine as jax_engine
 from servetune.envs.sim.outcome import (
     COMPLETED,
     NOT_ARRIVED,
@@ -352,6 +353,17 @@ def test_simulate_seeds_runs_workloads_of_different_lengths_as_each_alone():
             np.testing.assert_array_equal(getattr(got.requests, field.name), getattr(alone.requests, field.name),
                                           err_msg=f"{workload.num_requests} requests: requests.{field.name}")
         assert got.totals.end_s == alone.totals.end_s
+
+
+def test_nearby_lengths_and_seat_counts_share_one_compiled_engine():
+    """12 to 60 requests and 2 to 48 seats all run on one compiled engine (64 request rows, 64 slots)."""
+    rng = np.random.default_rng(7)
+    compiled = jax_engine.run_jit._cache_size()
+    for n, seats in ((12, 2), (40, 16), (60, 48)):
+        workload = Workload.from_lists(np.sort(rng.uniform(0, 1, n)), rng.integers(1, 30, n), rng.integers(1, 30, n))
+        scheduler = scheduler_config(max_num_seqs=seats, max_num_batched_tokens=256, num_kv_blocks=400)
+        simulate_workload(workload, scheduler, step_time_s, linear(0.01))
+    assert jax_engine.run_jit._cache_size() - compiled <= 1
 
 
 def test_simulate_seeds_refuses_workloads_with_different_tenants():

@@ -292,8 +292,8 @@ def _stack(params: Sequence[engine.EngineParams]) -> engine.EngineParams:
 
 
 def _batch_lanes(count: int) -> int:
-    """The batch size `count` runs run as (the last repeated): a power of two up to 8, then a multiple of 8 --
-    few sizes to compile, and at most 1/8 of a large batch's work wasted."""
+    """How many lanes a batch of `count` runs takes (the last run fills the rest): a power of two up to 8,
+    then a multiple of 8 -- few sizes to compile, and never more than seven lanes of a large batch idle."""
     return _power_of_two_at_least(count, 1) if count <= 8 else -(-count // 8) * 8
 
 
