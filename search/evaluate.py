@@ -12,7 +12,6 @@ lowered to that bound (see ``concurrency_bound``); the simulation is the same, o
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -79,15 +78,15 @@ class BatchEvaluator:
         return list(zip(resolved, results))
 
     def _simulate(self, runnable: list[Config], resolved: list[Config]) -> list[dict]:
-        width = min(self.batch_size, 1 << math.ceil(math.log2(len(runnable))))
-        padded = runnable + [runnable[-1]] * (width - len(runnable))
-        workload = self.workload(padded[0])
-        cost_fn = self._cost_model(padded[0])[0]
+        # simulate_many rounds the batch up to a size it has compiled for.
+        first = runnable[0]
+        workload = self.workload(first)
+        cost_fn = self._cost_model(first)[0]
         # Class SLOs belong to the workload's tenants, which every config of a batch shares.
-        slos = per_request_slos(padded[0], workload)
-        outcomes = simulate_many(workload, [c.scheduler for c in padded], cost_fn,
-                                 [self._cost_model(c)[1] for c in padded], padded[0].simulation.horizon_s,
-                                 slos.ttft_ms, rate_limited(workload, padded[0].workload.tenants))
+        slos = per_request_slos(first, workload)
+        outcomes = simulate_many(workload, [c.scheduler for c in runnable], cost_fn,
+                                 [self._cost_model(c)[1] for c in runnable], first.simulation.horizon_s,
+                                 slos.ttft_ms, rate_limited(workload, first.workload.tenants))
         return [
             {**compute_metrics(workload, outcome, slos, config.scheduler.num_kv_blocks),
              "truncated": outcome.totals.truncated}

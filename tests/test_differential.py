@@ -340,19 +340,25 @@ def test_simulate_seeds_matches_reference_and_each_workload_alone():
 
 
 def test_simulate_seeds_runs_workloads_of_different_lengths_as_each_alone():
-    """12 and 13 requests pad to one shape; each outcome still equals its own run's, bit for bit."""
+    """12 and 13 requests pad to one shape; each outcome agrees with the reference and equals its own run's,
+    bit for bit."""
     short, long = draw_workload(np.random.default_rng(1)), draw_workload(np.random.default_rng(2))
     long = Workload.from_lists(np.append(long.arrival_s, long.arrival_s[-1] + 1.0),
                                np.append(long.prompt_tokens, 8), np.append(long.output_tokens, 8))
     scheduler = draw_group(FIRST_SEED)[0].scheduler
-    together = simulate_seeds([short, long], scheduler, step_time_s, linear(0.01))
+    cost = linear(0.01)
+    together = simulate_seeds([short, long], scheduler, step_time_s, cost)
+    results = []
     for workload, got in zip([short, long], together):
-        alone = simulate_workload(workload, scheduler, step_time_s, linear(0.01))
+        results.append((Case(FIRST_SEED, 0, workload, scheduler, cost, None),
+                        simulate_reference(workload, scheduler, step_time_s, cost), got))
+        alone = simulate_workload(workload, scheduler, step_time_s, cost)
         assert got.requests.status.shape == (workload.num_requests,)
         for field in dataclasses.fields(alone.requests):
             np.testing.assert_array_equal(getattr(got.requests, field.name), getattr(alone.requests, field.name),
                                           err_msg=f"{workload.num_requests} requests: requests.{field.name}")
         assert got.totals.end_s == alone.totals.end_s
+    assert_agree(results, "simulate_seeds")
 
 
 def test_nearby_lengths_and_seat_counts_share_one_compiled_engine():

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -34,10 +35,9 @@ from servetune.envs.sim import engine
 from servetune.envs.workload.admission import rate_limited
 from servetune.envs.gym.actions import KnobBounds, config_knobs, encode, knob_bounds, vllm_knobs
 from servetune.envs.sim.prefix_cache import PrefixHits
-from servetune.envs.sim.queue_order import NO_DEADLINE_S
 from servetune.envs.sim.double_float import split_double
 from servetune.envs.sim.simulator import (
-    concurrency_bound, device_trace, engine_params, iteration_guard, prefix_cache_hits, request_rows,
+    concurrency_bound, device_trace, engine_params, iteration_guard, padded_trace, prefix_cache_hits, request_rows,
 )
 from servetune.envs.workload.slos import RequestSlos, per_request_slos
 from servetune.envs.workload.requests import Workload, build_workload, take_rows
@@ -243,13 +243,7 @@ def build_world(config: Union[str, Path, Mapping, Config], *, overrides: Sequenc
     # Banks of nearby window lengths share compiled engines (envs/sim/simulator.py, request_rows).
     size = request_rows(max(counts))
 
-    # Padding arrives at +inf: never, to the engine. Its other fields only need to be harmless values (zeros
-    # unless listed here).
-    pad_fill = dict(arrival_hi=np.inf, prompt=1, output=1, predicted_output=1.0, ttft_budget=NO_DEADLINE_S)
-    trace = engine.Trace(**{
-        field.name: jnp.asarray(np.stack([_pad(np.asarray(getattr(t, field.name)), size,
-                                               pad_fill.get(field.name, 0)) for t in traces]))
-        for field in dataclasses.fields(engine.Trace) if getattr(traces[0], field.name) is not None})
+    trace = jax.tree_util.tree_map(lambda *columns: jnp.stack(columns), *(padded_trace(t, size) for t in traces))
 
     def per_request(column: Callable[[int], np.ndarray], fill, dtype) -> jnp.ndarray:
         return jnp.asarray(np.stack([_pad(np.asarray(column(k), dtype), size, fill) for k in range(num_workloads)]))

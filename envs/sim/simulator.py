@@ -22,7 +22,7 @@ from servetune.envs.sim.outcome import (
     COMPLETED, NOT_ARRIVED, UNFINISHED, EngineTotals, RequestOutcomes, SimulationOutcome,
 )
 from servetune.envs.sim.queue_order import (
-    FEATURES, order_weights, predicted_output_tokens, relative_arrivals_s, ttft_budgets_s,
+    FEATURES, NO_DEADLINE_S, order_weights, predicted_output_tokens, relative_arrivals_s, ttft_budgets_s,
 )
 from servetune.envs.sim.prefix_cache import PrefixHits, capacity_units, prefix_hits
 from servetune.envs.workload.requests import Workload
@@ -84,7 +84,7 @@ def padded_trace(trace: engine.Trace, rows: int) -> engine.Trace:
     if extra < 0:
         raise ValueError(f"cannot pad a trace of {trace.prompt.shape[0]} requests to {rows} rows")
     fill = dict(arrival_hi=np.inf, arrival_lo=0.0, prompt=1, output=1, arrival_rel=0.0, tenant=0, priority=0.0,
-                predicted_output=1.0, ttft_budget=np.inf, rate_limited=False, session=-1, think=0.0)
+                predicted_output=1.0, ttft_budget=NO_DEADLINE_S, rate_limited=False, session=-1, think=0.0)
 
     def pad(name, column):
         if column is None or name not in fill:
@@ -116,14 +116,14 @@ def concurrency_bound(config: Config, workload: Workload) -> int:
 def num_slots_for(schedulers: Sequence[SchedulerConfig]) -> int:
     """The most slots any config could fill: a power of two covering every config's concurrency."""
     need = max(s.batch_size if s.policy == "static" else s.max_num_seqs for s in schedulers)
-    return 1 << max(0, math.ceil(math.log2(need)))
+    return _power_of_two_at_least(need, 1)
 
 
 # Most runs never hold more than a few dozen requests at once, and the engine's cost per iteration grows
 # with the slot count; so runs start with this many slots and grow only if the table filled up (the engine
 # reports it). A run whose table never filled is identical to one with every slot. A config that seats
-# fewer runs on the same table all the same (measured ~9% slower per iteration at 16 seats than a 16-slot
-# table), so that it shares its compiled engine with every other.
+# fewer runs on the same table all the same, paying for the empty slots each iteration, so that it shares
+# its compiled engine with every other.
 INITIAL_SLOTS = 64
 SLOT_GROWTH = 4
 
