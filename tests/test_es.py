@@ -15,7 +15,7 @@ from servetune.config_loader import ConfigError, load_config
 from servetune.envs.gym.core import control_observation_names
 from servetune.search.rl.es import EsEnv, centred_ranks, make_es
 from servetune.search.rl.policy_file import load_policy
-from servetune.search.rl.evaluate import BASELINE_ACTS, play
+from servetune.search.rl.evaluate import play
 from servetune.search.rl.train import HISTORY_FILE, POLICY_FILE, control_world, es_env
 from servetune.errors import UserError
 
@@ -36,7 +36,7 @@ def test_the_first_policy_plays_the_configs_knobs_and_its_baseline_is_eval_polic
     config, world, trainer = small
     state = trainer.init(jax.random.PRNGKey(0))
     # eval-policy's fixed-config contender, played on the same days by another rollout.
-    fixed = play(world, BASELINE_ACTS["fixed_config"])
+    fixed = play(world, "fixed_config")
     assert [float(v) for v in state.baseline] == [float(m["good"]) for m in fixed.metrics]
     assert float(jnp.sum(state.baseline)) > 0
     _, metrics = trainer.generation(state)

@@ -14,7 +14,8 @@ import yaml
 from servetune.cli import main
 from servetune.config_loader import load_config
 from servetune.search.rl.policy_file import load_policy
-from servetune.search.rl.evaluate import actor_arrays, heldout_world, play, policy_act
+from servetune.search.rl import evaluate
+from servetune.search.rl.evaluate import actor_arrays, heldout_world, play
 from servetune.search.rl.train import (
     CHECKPOINT_FILE, CURVE_FILE, HISTORY_FILE, POLICY_FILE, control_world, policy_hash,
 )
@@ -73,9 +74,12 @@ def test_eval_policy_compares_on_held_out_episodes(trained, tmp_path, capsys, mo
     # A static search space narrower than vLLM's default 256 running requests: the study widens it to hold the
     # baselines rather than record them out of range.
     narrow = ["--set", "search.knobs={scheduler.max_num_seqs: {low: 1, high: 32}}"]
+    rollouts_before = evaluate._run._cache_size()
     code = main(["eval-policy", str(trained / POLICY_FILE), CHAT, *SMALL, *narrow, "--seeds", "2",
                  "--static-trials", "4", "--storage", str(tmp_path / "s.db"), "--out", str(out)])
     assert code == 0
+    # Five contenders, two worlds (the policy's knob bounds and the default ones): two compiled rollouts.
+    assert evaluate._run._cache_size() - rollouts_before <= 2
     printed = capsys.readouterr()
     assert not [w for w in recwarn if "Fixed parameter" in str(w.message)], [str(w.message) for w in recwarn]
     # Progress where the output is no terminal: the study's bar, then a line per contender.
@@ -104,7 +108,7 @@ def test_held_out_episodes_are_the_workloads_after_the_training_ones(trained):
         for unseen in held_out.workloads:
             assert not np.array_equal(trained_on.arrival_s, unseen.arrival_s)
     policy = load_policy(trained / POLICY_FILE)
-    played = play(held_out, policy_act, actor_arrays(policy))
+    played = play(held_out, "policy", actor_arrays(policy))
     assert len(played.metrics) == 2
     for metrics in played.metrics:
         assert metrics["completed"] + metrics["rejected"] + metrics["unfinished"] == metrics["arrived"]

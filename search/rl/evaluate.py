@@ -56,12 +56,15 @@ def actor_arrays(policy: LoadedPolicy) -> dict:
 
 
 def _baseline(policy: Callable) -> Callable:
-    """An envs/gym/baselines.py policy in ``play``'s shape (it takes no arrays of its own)."""
+    """An envs/gym/baselines.py policy in the rollout's shape (it takes no arrays of its own)."""
     return lambda obs, params, _: policy(obs, params)
 
 
-BASELINE_ACTS = {name: _baseline(policy) for name, policy in
-                 (("reactive", reactive), ("fixed_config", fixed_config), ("vllm_defaults", vllm_defaults))}
+# Every rule a contender can play. One compiled rollout serves them all (the rule is an argument, chosen inside by
+# lax.switch), so eval-policy compiles the engine once for its five contenders instead of once per contender.
+RULES = {"policy": policy_act, "reactive": _baseline(reactive), "fixed_config": _baseline(fixed_config),
+         "vllm_defaults": _baseline(vllm_defaults)}
+BASELINE_RULES = ("reactive", "fixed_config", "vllm_defaults")
 
 
 @dataclass(frozen=True)
@@ -72,15 +75,19 @@ class Episodes:
     knob_counts: Counter                      # (max_num_seqs, budget, threshold, queue limit) -> intervals
 
 
-@partial(jax.jit, static_argnames=("act", "steps"))
-def _run(params, act, extra, steps: int):
-    """Every variant of the bank as one episode of ``steps`` intervals under ``act(obs, params, extra)``."""
+@partial(jax.jit, static_argnames=("rules", "steps"))
+def _run(params, rules: tuple[str, ...], rule, actor, steps: int):
+    """Every variant of the bank as one episode of ``steps`` intervals under ``RULES[rules[rule]]``."""
     count = params.bank.num_requests.shape[0]
     obs, states = jax.vmap(core.control_reset_to, (0, None))(jnp.arange(count, dtype=jnp.int32), params)
+    acts = [RULES[name] for name in rules]
+
+    def act(obs):
+        return jax.lax.switch(rule, acts, obs, params, actor)
 
     def interval(carry, _):
         obs, states, done = carry
-        actions = jax.vmap(act, (0, None, None))(obs, params, extra)
+        actions = jax.vmap(act)(obs)
         new_obs, new_states, _, terminated, truncated, _ = jax.vmap(core.control_step, (None, 0, 0, None))(
             None, states, actions, params)
         # An ended episode stays as it ended.
@@ -95,11 +102,17 @@ def _run(params, act, extra, steps: int):
     return states, chosen, live
 
 
-def play(world: World, act: Callable, extra=None) -> Episodes:
-    """Every variant of ``world``'s bank as one episode, all vmapped; ``act`` is one of BASELINE_ACTS or
-    ``policy_act`` (with ``extra = actor_arrays(policy)``): module-level functions, so that compiled rollouts
-    are reused across calls."""
-    states, chosen, live = jax.device_get(_run(world.params, act, extra, intervals_per_episode(world)))
+def play(world: World, rule: str, actor: Optional[dict] = None) -> Episodes:
+    """Every variant of ``world``'s bank as one episode, all vmapped, under the rule named ``rule`` (a key of
+    RULES; "policy" needs ``actor = actor_arrays(policy)``). Whatever the rule, calls with the same world shapes
+    and actor shapes reuse one compiled rollout: give the baselines a policy's ``actor`` too to share its program."""
+    if rule not in RULES:
+        raise ValueError(f"no rule {rule!r}: expected one of {', '.join(RULES)}")
+    if actor is None and rule == "policy":
+        raise ValueError("the policy rule needs the policy's actor arrays (actor_arrays(policy))")
+    rules = tuple(RULES) if actor is not None else BASELINE_RULES
+    states, chosen, live = jax.device_get(_run(world.params, rules, jnp.int32(rules.index(rule)), actor,
+                                               intervals_per_episode(world)))
     return Episodes(final_metrics(world, states), Counter(tuple(int(v) for v in row) for row in chosen[live]))
 
 
@@ -141,20 +154,18 @@ def evaluate(config: Config, policy: LoadedPolicy, static_config: Optional[Confi
     """The evaluation document (``eval-policy``'s JSON): per contender the summaries of REPORTED and the knobs
     it chose most often, plus the policy's paired gain over the best static config."""
     policy_world = heldout_world(config, episodes)
-    contenders = [("policy", policy_world, policy_act, actor_arrays(policy)),
-                  ("reactive", policy_world, BASELINE_ACTS["reactive"], None)]
+    contenders = [("policy", policy_world, "policy"), ("reactive", policy_world, "reactive")]
     if static_config is not None:
-        contenders.append(("best-static", heldout_world(static_config, episodes, bounds=None),
-                           BASELINE_ACTS["fixed_config"], None))
+        contenders.append(("best-static", heldout_world(static_config, episodes, bounds=None), "fixed_config"))
     fixed_world = heldout_world(config, episodes, bounds=None)
-    contenders += [("as-configured", fixed_world, BASELINE_ACTS["fixed_config"], None),
-                   ("vllm-default", fixed_world, BASELINE_ACTS["vllm_defaults"], None)]
+    contenders += [("as-configured", fixed_world, "fixed_config"), ("vllm-default", fixed_world, "vllm_defaults")]
+    actor = actor_arrays(policy)
 
     results = {}
-    for name, world, act, extra in contenders:
+    for name, world, rule in contenders:
         if on_contender is not None:
             on_contender(name)
-        played = play(world, act, extra)
+        played = play(world, rule, actor)
         knobs, share = _most_chosen(played)
         results[name] = {**{key: _summary([m[key] for m in played.metrics]) for key in REPORTED},
                          "most_chosen_knobs": knobs, "most_chosen_share": share,
@@ -170,4 +181,4 @@ def evaluate(config: Config, policy: LoadedPolicy, static_config: Optional[Confi
 
 def most_chosen_knobs(config: Config, policy: LoadedPolicy, episodes: int) -> tuple[dict, float]:
     """The knob setting the policy holds for the most intervals over held-out episodes, and that share."""
-    return _most_chosen(play(heldout_world(config, episodes), policy_act, actor_arrays(policy)))
+    return _most_chosen(play(heldout_world(config, episodes), "policy", actor_arrays(policy)))
