@@ -24,14 +24,25 @@ from servetune.cost_models.linear import LinearCostParams
 from servetune.envs.workload.slos import SLO_FIELDS, RequestSlos
 
 
+# Half the kernel's default limit of 65,530 memory maps per process (vm.max_map_count): see below.
+MAX_MEMORY_MAPS = 32_768
+
+
+def _memory_maps() -> int:
+    with open("/proc/self/maps", "rb") as maps:
+        return sum(1 for _ in maps)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_executables():
-    """Drop JAX's compiled executables after each test module. Each holds memory maps of its machine code, and
-    the suite compiles thousands: in one process they pass the kernel's limit of 65,530 maps (vm.max_map_count),
-    and XLA then crashes (a segmentation fault or an abort inside a compile)."""
+    """Drop JAX's compiled executables after a test module once the process holds many. Each holds memory maps
+    of its machine code, and the suite compiles thousands: in one process they pass the kernel's limit of
+    65,530 maps, and XLA then crashes (a segmentation fault or an abort inside a compile). Below the bound they
+    stay, so the next module that runs the same engine does not trace and lower it again."""
     yield
-    jax.clear_caches()
-    gc.collect()
+    if not os.path.exists("/proc/self/maps") or _memory_maps() > MAX_MEMORY_MAPS:
+        jax.clear_caches()
+        gc.collect()
 
 
 def pytest_sessionfinish(session):
