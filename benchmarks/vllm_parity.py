@@ -25,11 +25,26 @@ Commands (the 1,000-case set stays out of the repository; the fixtures are in te
     /path/venv/bin/python benchmarks/vllm_parity.py record --cases tests/fixtures/vllm/cases.json \\
         --out tests/fixtures/vllm/logs.json --jobs 2
 
+Sliding windows (a tiny Mistral-shaped config.json with ``sliding_window``: vLLM gives its layer a
+``SlidingWindowSpec`` and the scheduler one ``SlidingWindowManager``; the recorder builds that group itself).
+The fixture is eight of the 300 cases, chosen for short logs that cover both policies in both modes with
+preemptions::
+
+    python benchmarks/vllm_parity.py cases --count 300 --seed 3 --sliding-window --out /work/parity/swa-300.json
+    /path/venv/bin/python benchmarks/vllm_parity.py record --cases /work/parity/swa-300.json \\
+        --out /work/parity/swa-300-logs.json
+    python benchmarks/vllm_parity.py cases --indices 22,8,6,74,0,20,31,53 --seed 3 --sliding-window \\
+        --out tests/fixtures/vllm/sliding_cases.json
+    /path/venv/bin/python benchmarks/vllm_parity.py record --cases tests/fixtures/vllm/sliding_cases.json \\
+        --out tests/fixtures/vllm/sliding_logs.json
+
 How the recorder stands in for vLLM's engine (file:line refer to the installed vllm 0.33.0 package):
 
 * The scheduler is built as ``EngineCore.__init__`` builds it (v1/engine/core.py:165-180): a ``VllmConfig`` from
   a tiny Llama ``config.json`` (``skip_tokenizer_init``, no weights), a ``KVCacheConfig`` with one
-  ``FullAttentionSpec`` group of ``num_gpu_blocks`` blocks (``cache_config.num_gpu_blocks`` set as
+  ``FullAttentionSpec`` group -- a ``SlidingWindowSpec`` one for a case with ``sliding_window``, as
+  ``get_kv_cache_groups`` (v1/core/kv_cache_planning.py:1113) groups a model whose every layer slides -- of
+  ``num_gpu_blocks`` blocks (``cache_config.num_gpu_blocks`` set as
   core.py:335 sets it), prefix caching off, no stats. The CPU platform switches async scheduling off
   (platforms/cpu.py:346-348), so the knob is put back after the config is built; on a GPU it stays on. The
   KV watermark is ``SchedulerConfig.watermark`` (config/scheduler.py:196-201), which the scheduler hands to
@@ -253,8 +268,46 @@ def edge_cases() -> list[dict]:
     ]
 
 
+def sliding_window_case(seed: int, index: int, max_requests: int = 60) -> dict:
+    """A random case whose every layer slides (``knobs["sliding_window"]``): a window of a few blocks (rarely a
+    multiple of the block size), prompts and outputs well past it, and a KV cache tight enough that requests
+    preempt each other, so the blocks the window frees decide who runs."""
+    case = random_case(seed, index, max_requests)
+    rng = np.random.default_rng([seed, index, 1])
+    knobs = case["knobs"]
+    block_size = int(rng.choice([16, 8, 4], p=[0.5, 0.3, 0.2]))
+    window = int(rng.integers(2 * block_size, 8 * block_size + 1)) if rng.random() < 0.9 else 4 * block_size
+    rows = case["requests"]
+    prompts = window * rng.uniform(0.3, 6.0, len(rows))
+    outputs = window * rng.uniform(0.2, 4.0, len(rows))
+    max_model_len = int((prompts + outputs).max()) + 1
+    knobs.update(block_size=block_size, sliding_window=window, max_model_len=max_model_len,
+                 max_num_seqs=int(rng.integers(2, 17)))
+    # A budget of the window's order keeps the admission cap (window + budgets in flight) well below a whole
+    # request, so that a cache sized from the cap holds requests only because the window frees their blocks.
+    budget = max(int(window * rng.uniform(0.25, 2.0)), knobs["max_num_seqs"])
+    if not knobs["enable_chunked_prefill"]:
+        budget = max(budget, max_model_len)   # config/scheduler.py:318-328, as in random_case
+    knobs["max_num_batched_tokens"] = budget
+    knobs["long_prefill_token_threshold"] = min(knobs["long_prefill_token_threshold"], max_model_len)
+    # From what one request can hold at its peak (the admission cap's window and batches in flight) to a few
+    # times that: a handful of requests at once.
+    in_flight = (2 if knobs["async_scheduling"] else 1) * budget
+    peak = -(-min(window - 1 + in_flight, max_model_len) // block_size) + 1
+    knobs["num_gpu_blocks"] = int(peak + 1 + rng.integers(0, 2 * peak))
+    knobs["max_num_queued_reqs"] = None
+    # The lengths changed, so the load did: squeeze the arrivals, mostly into overload.
+    squeeze = _log_uniform(rng, 0.02, 1.0)
+    case["requests"] = [[a * squeeze, int(max(1, p)), int(max(1, o)), q]
+                        for (a, _, _, q), p, o in zip(rows, prompts, outputs)]
+    case["name"] = f"swa-{seed}-{index}"
+    return case
+
+
 def cmd_cases(args: argparse.Namespace) -> None:
-    cases = [random_case(args.seed, i, args.max_requests) for i in range(args.count)]
+    make = sliding_window_case if args.sliding_window else random_case
+    indices = range(args.count) if args.indices is None else [int(i) for i in args.indices.split(",")]
+    cases = [make(args.seed, i, args.max_requests) for i in indices]
     if args.edge_cases:
         cases += edge_cases()
     _write_json(args.out, cases)
@@ -280,12 +333,29 @@ TINY_MODEL_CONFIG = {
     "max_position_embeddings": 1 << 20, "torch_dtype": "float32", "rms_norm_eps": 1e-6,
 }
 
+# Mistral-7B-v0.1's shape of config.json: a "sliding_window" on every layer, which vLLM reads
+# (ModelConfig.get_sliding_window, config/model.py:1625-1627) and gives every attention layer, whose KV spec is then
+# a SlidingWindowSpec (model_executor/layers/attention/attention.py:624-672): one group, SlidingWindowManager.
+TINY_SLIDING_MODEL_CONFIG = {**TINY_MODEL_CONFIG, "architectures": ["MistralForCausalLM"], "model_type": "mistral"}
+
 _vllm = None  # the vLLM names the recorder uses, and the tiny model's folder: set by init_recorder()
 
 
-def write_tiny_model(folder: str) -> None:
+def write_tiny_model(folder: str, sliding_window: int = 0) -> None:
+    config = {**TINY_SLIDING_MODEL_CONFIG, "sliding_window": sliding_window} if sliding_window else TINY_MODEL_CONFIG
     with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(TINY_MODEL_CONFIG, f)
+        json.dump(config, f)
+
+
+def _model_dir(sliding_window: int) -> str:
+    """The tiny model's folder; one per window, written on first use, under init_recorder()'s folder."""
+    if not sliding_window:
+        return _vllm.model_dir
+    folder = os.path.join(_vllm.model_dir, f"sliding-{sliding_window}")
+    if not os.path.exists(folder):
+        os.makedirs(folder, exist_ok=True)
+        write_tiny_model(folder, sliding_window)
+    return folder
 
 
 def init_recorder(model_dir: str) -> None:
@@ -302,7 +372,7 @@ def init_recorder(model_dir: str) -> None:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request
     from vllm.v1.structured_output import StructuredOutputManager
@@ -312,7 +382,7 @@ def init_recorder(model_dir: str) -> None:
     _vllm = argparse.Namespace(
         torch=torch, CacheConfig=CacheConfig, ModelConfig=ModelConfig, SchedulerConfig=SchedulerConfig,
         VllmConfig=VllmConfig, SamplingParams=SamplingParams, AsyncScheduler=AsyncScheduler, Scheduler=Scheduler,
-        FullAttentionSpec=FullAttentionSpec, KVCacheConfig=KVCacheConfig, KVCacheGroupSpec=KVCacheGroupSpec,
+        FullAttentionSpec=FullAttentionSpec, SlidingWindowSpec=SlidingWindowSpec, KVCacheConfig=KVCacheConfig, KVCacheGroupSpec=KVCacheGroupSpec,
         ModelRunnerOutput=ModelRunnerOutput, Request=Request, StructuredOutputManager=StructuredOutputManager,
         model_dir=model_dir,
     )
@@ -321,7 +391,8 @@ def init_recorder(model_dir: str) -> None:
 def build_scheduler(knobs: dict):
     v = _vllm
     max_model_len = knobs["max_model_len"]
-    model_config = v.ModelConfig(model=v.model_dir, skip_tokenizer_init=True, max_model_len=max_model_len,
+    window = knobs.get("sliding_window", 0)
+    model_config = v.ModelConfig(model=_model_dir(window), skip_tokenizer_init=True, max_model_len=max_model_len,
                                  dtype="float32")
     scheduler_config = v.SchedulerConfig(
         max_model_len=max_model_len, is_encoder_decoder=False,
@@ -339,8 +410,13 @@ def build_scheduler(knobs: dict):
     vllm_config.cache_config.num_gpu_blocks = knobs["num_gpu_blocks"]
     _check_config(vllm_config, knobs)
 
-    spec = v.FullAttentionSpec(block_size=knobs["block_size"], num_kv_heads=1, head_size=64,
-                               dtype=v.torch.float32)
+    if window:
+        # As the attention layer builds it for a window (attention.py:624-672), with the knob's block size.
+        spec = v.SlidingWindowSpec(block_size=knobs["block_size"], num_kv_heads=1, head_size=64,
+                                   dtype=v.torch.float32, sliding_window=window)
+    else:
+        spec = v.FullAttentionSpec(block_size=knobs["block_size"], num_kv_heads=1, head_size=64,
+                                   dtype=v.torch.float32)
     kv_cache_config = v.KVCacheConfig(num_blocks=knobs["num_gpu_blocks"], kv_cache_tensors=[],
                                       kv_cache_groups=[v.KVCacheGroupSpec(["model.layers.0.self_attn"], spec)])
     scheduler_cls = v.AsyncScheduler if knobs["async_scheduling"] else v.Scheduler
@@ -359,8 +435,9 @@ def _check_config(vllm_config, knobs: dict) -> None:
         "long_prefill_token_threshold": sc.long_prefill_token_threshold, "block_size": cc.block_size,
         "num_gpu_blocks": cc.num_gpu_blocks, "watermark": sc.watermark,
         "max_num_queued_reqs": sc.max_num_queued_reqs, "max_model_len": vllm_config.model_config.max_model_len,
+        "sliding_window": vllm_config.model_config.get_sliding_window() or 0,
     }
-    changed = {k: (knobs[k], seen[k]) for k in knobs if seen[k] != knobs[k]}
+    changed = {k: (knobs.get(k, 0), seen[k]) for k in seen if seen[k] != knobs.get(k, 0)}
     if changed or cc.enable_prefix_caching or vllm_config.max_concurrent_batches != (
             2 if knobs["async_scheduling"] else 1):
         raise RuntimeError(f"vLLM changed the config: {changed} (asked, got); "
@@ -629,10 +706,13 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
 
     cases = sub.add_parser("cases", help="write random workloads")
-    cases.add_argument("--count", type=int, required=True)
+    cases.add_argument("--count", type=int)
+    cases.add_argument("--indices", help="these case indices (comma-separated) instead of the first --count")
     cases.add_argument("--seed", type=int, required=True)
     cases.add_argument("--max-requests", type=int, default=300, help="most requests in a case (at least 4)")
     cases.add_argument("--edge-cases", action="store_true", help="append the hand-made edge cases")
+    cases.add_argument("--sliding-window", action="store_true",
+                       help="cases of a model whose every layer slides (sliding_window_case)")
     cases.add_argument("--out", required=True)
     cases.set_defaults(func=cmd_cases)
 
@@ -650,6 +730,8 @@ def main(argv: list[str] | None = None) -> None:
     compare.set_defaults(func=cmd_compare)
 
     args = parser.parse_args(argv)
+    if args.command == "cases" and (args.count is None) == (args.indices is None):
+        parser.error("cases: give --count or --indices")
     args.func(args)
 
 

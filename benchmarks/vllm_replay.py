@@ -35,8 +35,9 @@ SAME_NAMES = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill"
 
 def scheduler_of(case: dict) -> SchedulerConfig:
     knobs = case["knobs"]
+    # Cases recorded before sliding windows have no such knob: full attention.
     return SchedulerConfig(**{name: knobs[name] for name in SAME_NAMES}, num_kv_blocks=knobs["num_gpu_blocks"],
-                           queue_order=knobs["policy"])
+                           queue_order=knobs["policy"], sliding_window=knobs.get("sliding_window", 0))
 
 
 def cost_of(case: dict) -> LinearCostParams:

@@ -284,6 +284,9 @@ class SchedulerConfig:
     priority_weights: Any = None     # weighted: {feature: weight} over the features in envs/sim/queue_order.py
     length_prediction_noise: LogSpread = 0.0   # sjf: sigma of the predictor's log error (0: the true length)
     enable_prefix_caching: Bool = False
+    # Tokens every layer attends to (vLLM's CacheConfig.sliding_window, set when all of the model's layers slide:
+    # one SlidingWindowSpec group whose blocks behind the window are freed); 0: full attention; null: the model's
+    sliding_window: Optional[Annotated[Int, Field(ge=0, le=MAX_TOKEN_COUNT)]] = None
 
     @property
     def usable_kv_blocks(self) -> int:
@@ -322,6 +325,33 @@ class SchedulerConfig:
                     f"usable (one is vLLM's null block); vLLM refuses to start when the KV cache cannot hold "
                     f"max_model_len")
         return None
+
+    @property
+    def window(self) -> int:
+        """The sliding window in tokens, 0 for full attention (also on a config not yet resolved)."""
+        return self.sliding_window or 0
+
+    def skipped_blocks(self, processed_tokens: int) -> int:
+        """Leading blocks wholly behind the window of the next token once ``processed_tokens`` are computed:
+        vLLM's ``SlidingWindowManager.get_num_skipped_tokens`` (max(0, computed - window + 1), in
+        vllm/v1/core/single_type_kv_cache_manager.py:1148-1183) in whole blocks (``remove_skipped_blocks``,
+        :682-720). 0 under full attention."""
+        if not self.window:
+            return 0
+        return max(0, processed_tokens - self.window + 1) // self.block_size
+
+    @property
+    def admission_blocks_cap(self) -> Optional[int]:
+        """With a sliding window, the most blocks the whole-prompt admission check asks for:
+        ``SlidingWindowSpec.max_admission_blocks_per_request`` (vllm/v1/kv_cache_interface.py:918-944), the window
+        less one plus every batch in flight's token budget (``VllmConfig.max_in_flight_tokens``,
+        vllm/config/vllm.py:601-609), at most max_model_len, in blocks plus one; applied by
+        ``get_num_blocks_to_allocate`` (single_type_kv_cache_manager.py:214-227) only for that check
+        (kv_cache_manager.py:531-548). None under full attention."""
+        if not self.window:
+            return None
+        in_flight = (2 if self.pipelined else 1) * self.max_num_batched_tokens
+        return -(-min(self.window - 1 + in_flight, self.model_len_limit) // self.block_size) + 1
 
     @property
     def pipelined(self) -> bool:

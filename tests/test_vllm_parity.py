@@ -25,14 +25,16 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures" / "vllm"
 ENGINE_TIME_REL = 1e-6
 
 
-def _recorded() -> list[tuple[dict, dict]]:
-    cases = json.loads((FIXTURES / "cases.json").read_text())
-    logs = json.loads((FIXTURES / "logs.json").read_text())
+def _recorded(prefix: str = "") -> list[tuple[dict, dict]]:
+    cases = json.loads((FIXTURES / f"{prefix}cases.json").read_text())
+    logs = json.loads((FIXTURES / f"{prefix}logs.json").read_text())
     assert [c["name"] for c in cases] == [log["name"] for log in logs]
     return list(zip(cases, logs))
 
 
-RECORDED = _recorded()
+# A model whose every layer slides: vLLM's SlidingWindowManager frees the blocks behind each request's window.
+SLIDING = _recorded("sliding_")
+RECORDED = _recorded() + SLIDING
 
 
 @pytest.mark.parametrize("case, log", RECORDED, ids=[case["name"] for case, _ in RECORDED])
@@ -82,6 +84,25 @@ def test_recorded_cases_exercise_every_rule():
             r["status"] == "completed" and r["generated"] < o for (_, _, o, _), r in zip(c["requests"], log["requests"]))),
     }
     assert all(coverage.values()), coverage
+
+
+def test_sliding_window_cases_exercise_the_window():
+    """The sliding-window fixtures preempt under both policies in both scheduling modes, most in caches too small
+    for one max_model_len request without the window; the others, replayed as full attention, part from vLLM,
+    so the block release is what makes them agree."""
+    modes = {(c["knobs"]["policy"], c["knobs"]["async_scheduling"]) for c, log in SLIDING
+             if any(step["preempted"] for step in log["steps"])}
+    assert modes == {("fcfs", False), ("fcfs", True), ("priority", False), ("priority", True)}
+
+    def holds_a_whole_request(case):
+        knobs = case["knobs"]
+        return knobs["num_gpu_blocks"] - 1 >= -(-knobs["max_model_len"] // knobs["block_size"])
+
+    assert sum(not holds_a_whole_request(c) for c, _ in SLIDING) > len(SLIDING) // 2
+    for case, log in SLIDING:
+        if holds_a_whole_request(case):
+            full_attention = {**case, "knobs": {**case["knobs"], "sliding_window": 0}}
+            assert vllm_replay.schedule_differences(log, vllm_replay.replay_reference(full_attention)), case["name"]
 
 
 def test_vllm_live_scheduler_agrees_on_fresh_workloads(tmp_path):

@@ -125,6 +125,9 @@ class EngineParams:
     max_iterations: jnp.ndarray            # a guard against a bug, never a semantic limit
     order_weights: jnp.ndarray             # float32[len(FEATURES)]: the scored queue's weights
     cached_tokens: Any                     # int32[n] prompt tokens found in the prefix cache; None: no cache
+    # Tokens each layer attends to (0: full attention), or None: a full-attention model, compiled without the
+    # window's bookkeeping (`Slots.skipped`, `Slots.in_flight`), so its runs are as before.
+    sliding_window: Any
     cost: Any                              # the cost model's parameter pytree
 
 
@@ -144,6 +147,10 @@ class Slots:
     leaving: jnp.ndarray    # async: completed by the step that just ended, so still seated at this boundary
     tenant: Any = None      # scored queues only (None under fcfs, so fcfs carries nothing extra):
     rank: Any = None        # the score it was admitted with: the worst is the preemption victim
+    skipped: Any = None     # sliding window only: leading blocks of its table the window freed (vLLM's null
+                            # blocks); `blocks` counts those it holds
+    in_flight: Any = None   # sliding window only: its tokens in the step that just ended, still in flight
+                            # for a decision taken a step early
 
 
 @pytree_dataclass
@@ -397,6 +404,8 @@ def init_state(trace: Trace, params: EngineParams, num_slots: int, queue_shape: 
                   jnp.zeros(num_slots, bool))
     if queue_shape is not None:
         slots = replace(slots, tenant=zeros_i, rank=zeros_f)
+    if params.sliding_window is not None:
+        slots = replace(slots, skipped=zeros_i, in_flight=zeros_i)
     queue_size = n if queue_shape is None else queue_shape.pool_size
     tenants = 1 if queue_shape is None else queue_shape.num_tenants
     rz_i, rz_f = jnp.zeros(n, i32), jnp.zeros(n, f32)
@@ -662,9 +671,12 @@ class RingQueue(WaitingQueue):
         victims are the front: claim nothing)."""
         at = jnp.minimum(admitted, num_slots - 1)
         length = front.rows.prompt[at] + front.rows.generated[at]
-        chunk = jnp.where(params.reserve_full_prompt, length, front.rows.computed[at] + 1)
+        first_chunk = _ceil_div(front.rows.computed[at] + 1, params.block_size)
+        if front.rows.skipped is not None:
+            first_chunk = first_chunk - front.rows.skipped[at]
+        blocks = jnp.where(params.reserve_full_prompt, _admission_blocks(params, length), first_chunk)
         return jnp.where(front.valid[at] & (admitted < num_slots) & ~_any(preempted),
-                         _ceil_div(chunk, params.block_size) + params.watermark_blocks, 0)
+                         blocks + params.watermark_blocks, 0)
 
     def ends_run(self, admits, seat, arrived, members, num_running):
         return admits
@@ -780,11 +792,57 @@ def _request_rows(trace: Trace, params: EngineParams, state: EngineState, ids) -
     the admitting caller sets them; a scored queue adds tenant and rank)."""
     req = state.requests
     since_last = df_sub(state.clock_hi, state.clock_lo, req.last_emit_hi[ids], req.last_emit_lo[ids])
+    computed = _cached(params, ids)
+    window = {}
+    if params.sliding_window is not None:
+        # A cached prefix behind the window starts as null blocks (vllm/v1/core/single_type_kv_cache_manager.py:
+        # 296-312), which the admission does not allocate (:238-249).
+        window = dict(skipped=_skipped_blocks(params, computed), in_flight=jnp.zeros(ids.shape, i32))
     return Slots(
         req=ids, prompt=trace.prompt[ids], output=_max_tokens(trace, params, ids),
-        computed=_cached(params, ids), generated=req.generated[ids], blocks=jnp.zeros(ids.shape, i32),
+        computed=computed, generated=req.generated[ids], blocks=jnp.zeros(ids.shape, i32),
         gap=since_last, max_gap=req.max_gap[ids], sum_sq_gap=req.sum_sq_gap[ids], leaving=jnp.zeros(ids.shape, bool),
+        **window,
     )
+
+
+def _skipped_blocks(params, processed):
+    """Sliding window: the leading blocks wholly behind the window of the next token once `processed` tokens are
+    computed, vLLM's get_num_skipped_tokens (max(0, processed - window + 1),
+    vllm/v1/core/single_type_kv_cache_manager.py:1148-1183) in whole blocks (remove_skipped_blocks, :682-720)."""
+    window = params.sliding_window
+    return jnp.where(window > 0, jnp.maximum(processed - window + 1, 0) // params.block_size, 0)
+
+
+def _table_blocks(slots: Slots):
+    """Entries of each request's block table: the blocks it holds and, with a sliding window, the null blocks in
+    front of them. New blocks are what a chunk needs beyond these."""
+    return slots.blocks if slots.skipped is None else slots.blocks + slots.skipped
+
+
+def _window_frees(params, state, slots: Slots, reached):
+    """Sliding window: the blocks vLLM's allocate_slots frees for each running request the pass reaches, before
+    its allocation and whether or not that succeeds (vllm/v1/core/kv_cache_manager.py:555-568): those behind
+    the window of its tokens whose steps have completed -- a decision taken a step early has the last step in
+    flight. Returns (blocks freed, skipped blocks after), or None without a window."""
+    if slots.skipped is None:
+        return None
+    processed = slots.computed - jnp.where(state.pipelined_now, slots.in_flight, 0)
+    skipped = jnp.where(reached, jnp.maximum(_skipped_blocks(params, processed), slots.skipped), slots.skipped)
+    return skipped - slots.skipped, skipped
+
+
+def _admission_blocks(params, tokens):
+    """The blocks the whole-prompt admission check asks for: a sliding window caps them at
+    SlidingWindowSpec.max_admission_blocks_per_request (vllm/v1/kv_cache_interface.py:918-944): the window less one
+    plus a token budget per batch in flight (VllmConfig.max_in_flight_tokens, vllm/config/vllm.py:601-609), at most
+    max_model_len, in blocks, plus one (single_type_kv_cache_manager.py:214-227, kv_cache_manager.py:531-548)."""
+    blocks = _ceil_div(tokens, params.block_size)
+    if params.sliding_window is None:
+        return blocks
+    in_flight = jnp.where(params.pipelined, 2, 1) * params.max_num_batched_tokens
+    cap = _ceil_div(jnp.minimum(params.sliding_window - 1 + in_flight, params.max_model_len), params.block_size) + 1
+    return jnp.where(params.sliding_window > 0, jnp.minimum(blocks, cap), blocks)
 
 
 def _write_queue(trace, queue, arrived: Arrived, victims, requeued, victims_head):
@@ -1006,6 +1064,8 @@ def _form_static_batch(trace, params, state, front: Front, timeout, num_slots, q
     def form(slots):
         rows, valid = front.rows, front.valid
         blocks = _ceil_div(rows.prompt + rows.generated, params.block_size)
+        if rows.skipped is not None:
+            blocks = blocks - rows.skipped   # a cached prefix behind the window: null blocks (_request_rows)
         k = jnp.arange(num_slots, dtype=i32)
         watermark = jnp.where(k > 0, params.watermark_blocks, 0)   # as admissions: headroom for those already in
         fits = state.free_blocks - _prefix_sums(jnp.where(valid, blocks, 0)) >= watermark
@@ -1037,13 +1097,21 @@ def _running_pass(params, state, num_slots, cap):
     tokens, fits_budget = _take_from_budget(jnp.where(running, need, 0), params.max_num_batched_tokens, params, cap,
                                             admitting=False)
     in_pass = running & fits_budget
-    extra = jnp.where(in_pass, jnp.maximum(_ceil_div(s.computed + tokens, params.block_size) - s.blocks, 0), 0)
+    extra = jnp.where(in_pass, jnp.maximum(_ceil_div(s.computed + tokens, params.block_size) - _table_blocks(s), 0), 0)
+    # With a sliding window each request the pass reaches first frees what fell out of its window, so position
+    # i's net demand is its new blocks less those; a leaving request is passed over before its allocation.
+    window = _window_frees(params, state, s, in_pass & ~s.leaving)
+    net = extra if window is None else extra - window[0]
 
     def preempting():
-        demand = _prefix_sums(extra)
+        demand = _prefix_sums(net)
         held = jnp.where(running, s.blocks, 0)
         held_from = jnp.concatenate([_suffix_sums(held), jnp.zeros(1, i32)])  # held by positions >= p
         shortfall = demand - state.free_blocks
+        if window is not None:
+            # Frees make the demand rise and fall; victims once preempted stay so, so each position must cover
+            # the largest shortfall up to it.
+            shortfall = _blocked_scan(shortfall, jnp.max, jnp.iinfo(i32).min, jax.lax.cummax)
         # held_from is non-increasing, so the positions p >= 1 with held_from[p] >= shortfall are a prefix:
         # the running set's end after position i is its length (at most num_running), and it lies beyond i
         # exactly when held_from[i + 1] covers the shortfall. Its length itself is needed at two positions.
@@ -1064,12 +1132,15 @@ def _running_pass(params, state, num_slots, cap):
     def fitting():
         # Every allocation fits (no prefix of the demand exceeds the free blocks): the pass schedules every
         # request it reaches (`in_pass` is a prefix) and preempts none.
-        return in_pass, state.num_running, state.free_blocks - _sum(extra)
+        return in_pass, state.num_running, state.free_blocks - _sum(net)
 
-    # A shortfall is rare: a lax.cond runs the preemption search's kernels only when there is one.
+    # A shortfall is rare: a lax.cond runs the preemption search's kernels only when there is one. (New blocks
+    # that fit without any frees fit with them.)
     scheduled, end, free = jax.lax.cond(_sum(extra) > state.free_blocks, preempting, fitting)
     tokens = jnp.where(scheduled, tokens, 0)
-    slots = replace(s, blocks=s.blocks + jnp.where(scheduled, extra, 0))
+    slots = replace(s, blocks=s.blocks + jnp.where(scheduled, net, 0))
+    if window is not None:
+        slots = replace(slots, skipped=jnp.where(scheduled, window[1], s.skipped))
     preempted = running & (pos >= end)
     return slots, tokens, preempted, end, free
 
@@ -1088,25 +1159,32 @@ def _running_pass_by_score(params, state, num_slots, cap):
     s = state.slots
     pos = jnp.arange(num_slots, dtype=i32)
     running = pos < state.num_running
+    # Sliding window: what each request frees when the pass first reaches it (`freed` below: what it has).
+    window = _window_frees(params, state, s, running & ~s.leaving)
+    frees = jnp.zeros(num_slots, i32) if window is None else window[0]
 
     def unfinished(carry):
         at, budget = carry[:2]
         return (at < state.num_running) & (budget > 0)
 
     def one(carry):
-        at, budget, free, removed, tokens, extra, asked = carry
+        at, budget, free, removed, tokens, extra, asked, freed = carry
         need = jnp.where(s.leaving[at], 0, s.prompt[at] + s.generated[at] - s.computed[at])
         # vLLM sizes the request's share once and retries its allocation with it after each preemption,
         # even when a victim's tokens came back to the budget.
         take = jnp.where(asked >= 0, asked, jnp.minimum(_capped_need(need, cap), budget))
-        needed = jnp.maximum(_ceil_div(s.computed[at] + take, params.block_size) - s.blocks[at], 0)
+        needed = jnp.maximum(_ceil_div(s.computed[at] + take, params.block_size) - _table_blocks(s)[at], 0)
         alive = running & ~removed
         worst = jnp.max(jnp.where(alive, s.rank, -jnp.inf))
         victim = jnp.argmax(jnp.where(alive & (s.rank == worst), s.req, -1)).astype(i32)
         acts = ~removed[at]
+        # The window's frees come first, once (later tries of the same allocation find nothing more to free).
+        frees_now = jnp.where(acts, frees[at] - freed[at], 0)
+        free = free + frees_now
+        freed = freed.at[at].add(frees_now)
         schedule = acts & (needed <= free)
         preempt = acts & (needed > free)
-        returned_tokens, returned_blocks = tokens[victim], s.blocks[victim] + extra[victim]
+        returned_tokens, returned_blocks = tokens[victim], s.blocks[victim] - freed[victim] + extra[victim]
         tokens = jnp.where(schedule, tokens.at[at].set(take), jnp.where(preempt, tokens.at[victim].set(0), tokens))
         extra = jnp.where(schedule, extra.at[at].set(needed), jnp.where(preempt, extra.at[victim].set(0), extra))
         free = free - jnp.where(schedule, needed, 0) + jnp.where(preempt, returned_blocks, 0)
@@ -1114,14 +1192,16 @@ def _running_pass_by_score(params, state, num_slots, cap):
         removed = jnp.where(preempt, removed.at[victim].set(True), removed)
         moves_on = removed[at] | schedule | (preempt & (victim == at))
         return (at + moves_on.astype(i32), budget, free, removed, tokens, extra,
-                jnp.where(moves_on, -1, take).astype(i32))
+                jnp.where(moves_on, -1, take).astype(i32), freed)
 
     zeros = jnp.zeros(num_slots, i32)
     sequential = jnp.any(fcfs_preempted)
     start = (jnp.where(sequential, 0, num_slots), params.max_num_batched_tokens, state.free_blocks,
-             jnp.zeros(num_slots, bool), zeros, zeros, jnp.asarray(-1, i32))
-    _, _, free, removed, tokens, extra, _ = jax.lax.while_loop(unfinished, one, start)
-    slots = replace(s, blocks=jnp.where(sequential, s.blocks + extra, fcfs_slots.blocks))
+             jnp.zeros(num_slots, bool), zeros, zeros, jnp.asarray(-1, i32), zeros)
+    _, _, free, removed, tokens, extra, _, freed = jax.lax.while_loop(unfinished, one, start)
+    slots = replace(s, blocks=jnp.where(sequential, s.blocks - freed + extra, fcfs_slots.blocks))
+    if window is not None:
+        slots = replace(slots, skipped=jnp.where(sequential, s.skipped + freed, fcfs_slots.skipped))
     return (slots, jnp.where(sequential, tokens, fcfs_tokens), jnp.where(sequential, removed & running, fcfs_preempted),
             jnp.where(sequential, free, fcfs_free))
 
@@ -1189,10 +1269,13 @@ def _waiting_pass(trace, params, state, front: Front, slots, budget_left, free, 
     need = rows.prompt + rows.generated
     tokens, fits_budget = _take_from_budget(jnp.where(valid, need - rows.computed, 0), budget_left, params, cap,
                                             admitting=True)
-    blocks = jnp.where(valid, _ceil_div(rows.computed + tokens, params.block_size), 0)
+    chunk_blocks = _ceil_div(rows.computed + tokens, params.block_size)
+    if rows.skipped is not None:
+        chunk_blocks = chunk_blocks - rows.skipped   # a cached prefix behind the window: null blocks
+    blocks = jnp.where(valid, chunk_blocks, 0)
     free_before = free - _exclusive_cumsum(blocks)
     watermark = jnp.where(state.num_running + k > 0, params.watermark_blocks, 0)
-    whole_prompt_fits = ~params.reserve_full_prompt | (_ceil_div(need, params.block_size) + watermark <= free_before)
+    whole_prompt_fits = ~params.reserve_full_prompt | (_admission_blocks(params, need) + watermark <= free_before)
     fits_blocks = whole_prompt_fits & (blocks + watermark <= free_before)
     seats = (state.num_running + k < params.max_num_seqs) & (state.num_running + k < num_slots)
     admit = _prefix_and(valid & seats & fits_budget & fits_blocks) & allowed
@@ -1385,8 +1468,10 @@ def _look_ahead(params, state, slots, tokens, num_slots) -> LookAhead:
     chunk_is_prefill = in_prefill & ~chunk_is_decode
     members = decodes + in_prefill                         # requests in step j (j >= 1)
     # It holds the blocks of what it has computed, growing chunk by chunk.
-    prefill_blocks = jnp.where(prefill_repeats & ~zero, jnp.maximum(
-        slots.blocks[last], _ceil_div(computed0[last] + chunked_before + chunk, params.block_size)), slots.blocks[last])
+    table = _ceil_div(computed0[last] + chunked_before + chunk, params.block_size)
+    if slots.skipped is not None:
+        table = table - slots.skipped[last]   # the run stops before the window frees more (_run_length)
+    prefill_blocks = jnp.where(prefill_repeats & ~zero, jnp.maximum(slots.blocks[last], table), slots.blocks[last])
     held = held + jnp.where(prefill_repeats, prefill_blocks, 0)
 
     first = _batch_summary(slots, tokens)
@@ -1459,12 +1544,14 @@ def _run_length(trace, params, state, slots, look: LookAhead, times: StepTimes, 
     # Counting every decoder's gains bounds the need of those taking part (some finish first); stopping
     # where the bound says is exact (the next iteration schedules that step in full) and only ends a run
     # early when the cache is nearly full.
-    spare = slots.blocks * params.block_size - look.computed
+    spare = _table_blocks(slots) * params.block_size - look.computed
     first_gain = jnp.zeros(LOOKAHEAD_STEPS, i32).at[jnp.where(look.decoder, spare + 1, LOOKAHEAD_STEPS)].add(
         1, mode="drop")
     need_bound = look.held + _sum(_gains_by(params.block_size) * first_gain[:, None])
     repeatable = zero | (look.continues & (look.members > 0) & ~admits & ~look.past_prefill & (starts < to_horizon)
                          & (need_bound <= params.usable_kv_blocks))
+    if slots.skipped is not None:
+        repeatable = repeatable & (zero | ~_window_frees_at(params, slots, look))
     run = _prefix_and(repeatable)
     k = _sum(run)
     extra = k - 1
@@ -1481,6 +1568,26 @@ def _run_length(trace, params, state, slots, look: LookAhead, times: StepTimes, 
         end=df_add(state.clock_hi, state.clock_lo, total),
         finish=df_add(state.clock_hi, state.clock_lo, ends[through]),
     )
+
+
+def _window_frees_at(params, slots, look: LookAhead):
+    """Per look-ahead step: a request taking part may free blocks behind its window as the step is scheduled. A run
+    ends before such a step, so that within a run blocks are only gained, and the next decision frees them.
+
+    At step j >= 1 a decoder's processed tokens are computed0 + j - 1 (computed0: after step 0), one fewer when
+    the decision is taken a step early (at j = 1 that is an upper bound: step 0 may have been its last prefill
+    chunk); it frees once max(0, processed - window + 1) reaches (skipped + 1) blocks. The prefilling request's
+    are computed0 plus the chunks before step j (an upper bound a step early). Upper bounds only end a run
+    early, which the next iteration makes good."""
+    j = look.j
+    first_free = ((slots.skipped + 1) * params.block_size + params.sliding_window - look.computed
+                  + params.pipelined.astype(i32))
+    soonest = jnp.min(jnp.where(look.decoder, first_free, LOOKAHEAD_STEPS))
+    last = jnp.maximum(_sum(look.running) - 1, 0)
+    chunked_before = _exclusive_cumsum(jnp.where(look.in_prefill, look.chunk, 0))
+    prefill_frees = look.prefill_repeats & (
+        _skipped_blocks(params, look.computed[last] + chunked_before) > slots.skipped[last])
+    return (params.sliding_window > 0) & ((j >= soonest) | prefill_frees)
 
 
 def _gap_statistics(state, slots, look: LookAhead, times: StepTimes, run: Run) -> Gaps:
@@ -1522,11 +1629,17 @@ def _grown(params, slots, look: LookAhead, run: Run, gaps: Gaps) -> tuple[Slots,
     computed = look.computed + run.grow + prefill_tokens
     generated = look.generated + run.grow + (look.is_prefill & run.prefill_emits)
     blocks0 = slots.blocks
-    blocks = jnp.where((run.grow > 0) | look.is_prefill, jnp.maximum(blocks0, _ceil_div(computed, params.block_size)),
-                       blocks0)
+    table = _ceil_div(computed, params.block_size)
+    window = {}
+    if slots.skipped is not None:
+        table = table - slots.skipped   # no frees within a run (_window_frees_at)
+        # The last step's tokens are in flight for the next decision if it is taken a step early.
+        last_step = jnp.where(look.is_prefill, look.chunk[run.extra], (look.decoder & (run.grow == run.extra)).astype(i32))
+        window = dict(in_flight=jnp.where(run.extra == 0, look.computed - slots.computed, last_step))
+    blocks = jnp.where((run.grow > 0) | look.is_prefill, jnp.maximum(blocks0, table), blocks0)
     finished = look.running & ~look.left_before & (generated >= slots.output)
     return replace(slots, computed=computed, generated=generated, blocks=blocks,
-                   gap=gaps.gap, max_gap=gaps.max_gap, sum_sq_gap=gaps.sum_sq), finished
+                   gap=gaps.gap, max_gap=gaps.max_gap, sum_sq_gap=gaps.sum_sq, **window), finished
 
 
 def _record_outcomes(trace, state, slots, look: LookAhead, run: Run, gaps: Gaps, finished) -> Requests:

@@ -122,6 +122,7 @@ class _Request:
     computed: int = 0              # c: tokens whose KV is computed
     generated: int = 0             # g: output tokens emitted so far
     blocks: int = 0                # h: KV blocks held
+    skipped: int = 0               # sliding window: leading blocks of its table freed (vLLM's null blocks)
     status: int = NOT_ARRIVED      # UNFINISHED while in the system
     reject_reason: int = REJECT_NONE
     first_token_s: float = math.nan
@@ -424,11 +425,13 @@ class _Engine:
         for request in self.queue_front():
             if len(self.running) >= self.config.batch_size:
                 return
-            needed = _blocks_for(request.length, self.config.block_size)
+            skipped = self.config.skipped_blocks(request.cached_tokens)   # as admissions: null blocks
+            needed = _blocks_for(request.length, self.config.block_size) - skipped
             watermark = self.watermark_blocks if self.running else 0   # as admissions: headroom for those in
             if self.free_blocks - needed < watermark:
                 return
             self.take_blocks(request, needed)
+            request.skipped = skipped
             self.admit(request)
 
     def static_timeout(self) -> float:
@@ -478,7 +481,8 @@ class _Engine:
                 position += 1
                 continue
             tokens = self.chunk(request.length - request.computed, budget, admitting=False)
-            needed = _blocks_for(request.computed + tokens, self.config.block_size) - request.blocks
+            self.free_skipped_blocks(request)
+            needed = _blocks_for(request.computed + tokens, self.config.block_size) - request.blocks - request.skipped
             while needed > self.free_blocks and request not in preempted:
                 victim = self.victim()
                 if self.running.index(victim) < position:
@@ -512,13 +516,20 @@ class _Engine:
                 return  # head-of-line blocking, as in vLLM
             # The watermark keeps headroom for the running requests, so it binds only when some run.
             watermark = self.watermark_blocks if self.running else 0
-            if config.reserve_full_prompt and (
-                    _blocks_for(request.length, config.block_size) + watermark > self.free_blocks):
+            whole = _blocks_for(request.length, config.block_size)
+            if config.admission_blocks_cap is not None:
+                whole = min(whole, config.admission_blocks_cap)
+            if config.reserve_full_prompt and whole + watermark > self.free_blocks:
                 return   # the whole prompt must fit, though only this step's chunk is allocated
-            needed = _blocks_for(request.cached_tokens + tokens, config.block_size)
+            # A cached prefix behind the window is null blocks from the start (vLLM's add_local_computed_blocks,
+            # vllm/v1/core/single_type_kv_cache_manager.py:296-312), which get_num_blocks_to_allocate does not
+            # count (:238-249).
+            skipped = config.skipped_blocks(request.cached_tokens)
+            needed = _blocks_for(request.cached_tokens + tokens, config.block_size) - skipped
             if needed + watermark > self.free_blocks:
                 return
             self.take_blocks(request, needed)
+            request.skipped = skipped
             self.admit(request)
             scheduled.append(self.scheduled(request, tokens))
             budget -= tokens
@@ -531,8 +542,20 @@ class _Engine:
         self.free_blocks -= blocks
 
     def release_blocks(self, request: _Request) -> None:
-        self.free_blocks += request.blocks
+        self.free_blocks += request.blocks   # not the skipped ones: the window gave them back already
         request.blocks = 0
+        request.skipped = 0
+
+    def free_skipped_blocks(self, request: _Request) -> None:
+        """Sliding window: before a running request's allocation, vLLM's allocate_slots frees the blocks wholly
+        behind the window of the tokens whose step has completed -- those of steps in flight do not count
+        (vllm/v1/core/kv_cache_manager.py:555-568, remove_skipped_blocks) -- even if the allocation then fails."""
+        in_flight = sum(item.tokens for batch in self.in_flight for item in batch.items if item.request is request)
+        skipped = self.config.skipped_blocks(request.computed - in_flight)
+        if skipped > request.skipped:
+            self.free_blocks += skipped - request.skipped
+            request.blocks -= skipped - request.skipped
+            request.skipped = skipped
 
     def preempt(self, victim: _Request) -> None:
         """Preemption by recompute: the KV is dropped, the emitted tokens are kept. Tokens of steps in flight

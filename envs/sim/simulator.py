@@ -240,6 +240,8 @@ def engine_params(scheduler: SchedulerConfig, cost_params: Any, horizon_s: Optio
         order_weights=jnp.asarray(order_weights(scheduler) if _is_scored(scheduler)
                                   else np.zeros(len(FEATURES), np.float32)),
         cached_tokens=None if cached_tokens is None else jnp.asarray(cached_tokens, jnp.int32),
+        # A full-attention model compiles without the window's bookkeeping.
+        sliding_window=i32(scheduler.window) if scheduler.window else None,
         cost=jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float32), cost_params),
     )
 
@@ -374,10 +376,11 @@ def simulate_many(workload: Workload, schedulers: Sequence[SchedulerConfig], cos
     groups: dict[tuple, list[int]] = {}
     for i, scheduler in enumerate(schedulers):
         scored = _is_scored(scheduler)
-        key = (scored, scheduler.length_prediction_noise if scored else 0.0)
+        # A sliding window compiles its own engine (EngineParams.sliding_window).
+        key = (scored, scheduler.length_prediction_noise if scored else 0.0, bool(scheduler.window))
         groups.setdefault(key, []).append(i)
     outcomes: list = [None] * len(schedulers)
-    for (scored, noise), members in groups.items():
+    for (scored, noise, _), members in groups.items():
         trace = padded_trace(device_trace(workload, noise, ttft_slo_ms, rate_limited),
                              request_rows(workload.num_requests))
         states = _run_growing(workload, trace, [params[i] for i in members], cost_fn,
