@@ -107,12 +107,13 @@ def content_data(config: Config) -> dict:
 
 
 # Fields added to sections after hashes were first recorded (vllm bench serve's arrivals and datasets, the column
-# mapping of a request log, vLLM's --enable-expert-parallel). At their defaults they change nothing, so they enter
+# mapping of a request log, vLLM's --enable-expert-parallel, a sliding window given by hand). At their defaults they change nothing, so they enter
 # the hash only when set: studies and policy files made before they existed keep their hashes.
 _LATER_FIELDS = {
     "arrivals": ("request_rate", "burstiness", "ramp_up", "columns", "timestamp_unit"),
     "lengths": ("name", "input_len", "output_len", "range_ratio", "tokenizer"),
     "hardware": ("enable_expert_parallel",),
+    "scheduler": ("sliding_window",),
 }
 
 
@@ -121,9 +122,10 @@ _LATER_TOP_LEVEL_FIELDS = {"quantization": None, "kv_cache_dtype": "auto"}
 
 
 def _without_later_fields_at_default(data):
-    from servetune.config import ArrivalsConfig, HardwareConfig, LengthsConfig
+    from servetune.config import ArrivalsConfig, HardwareConfig, LengthsConfig, SchedulerConfig
 
-    defaults = {"arrivals": ArrivalsConfig(), "lengths": LengthsConfig(), "hardware": HardwareConfig()}
+    defaults = {"arrivals": ArrivalsConfig(), "lengths": LengthsConfig(), "hardware": HardwareConfig(),
+                "scheduler": SchedulerConfig()}
     if isinstance(data, list):
         return [_without_later_fields_at_default(item) for item in data]
     if not isinstance(data, dict):

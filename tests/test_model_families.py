@@ -659,3 +659,16 @@ def test_simulate_runs_an_moe_model_with_an_fp8_kv_cache(expert_parallel):
     active_s = MODELS["mixtral-8x7b"].active_params * 2 / 2 / 3.35e12
     assert active_s * 1e3 < report.metrics["median_itl_ms"]
     assert report.config.scheduler.num_kv_blocks == derive_num_kv_blocks(config)
+
+
+def test_keys_added_since_the_shipped_results_leave_their_config_hashes_unchanged():
+    """results/*.policy.yaml record the hash of the config they were tuned on; a key added later with its
+    default value (scheduler.sliding_window among them) must not change it."""
+
+    from servetune.config_loader import load_config
+    from servetune.search.provenance import config_hash
+
+    for scenario in ("chat", "static", "azure_conv"):
+        recorded = yaml.safe_load(Path(f"results/{scenario}.policy.yaml").read_text())
+        provenance = recorded["provenance"]
+        assert config_hash(load_config(f"examples/{scenario}.yaml")) == provenance["config_hash"], scenario
