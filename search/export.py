@@ -23,6 +23,15 @@ sizing rule (``cost_models/memory.py``) yields at least that many blocks, and fo
 rules of their own, so each gets the simulated cache's usable tokens, (num_kv_blocks - 1) x block_size, as its
 cache size in tokens.
 
+Tensor parallelism goes to every engine under its own name, vLLM's ``tensor-parallel-size``
+(vllm/config/parallel.py, ``ParallelConfig.tensor_parallel_size``), SGLang's ``tp-size``
+(python/sglang/srt/server_args.py, ``--tensor-parallel-size``/``--tp-size``; its ``--config`` passes each key as
+``--KEY``, python/sglang/srt/server_args_config_parser.py), TensorRT-LLM's ``tensor_parallel_size`` (the LlmArgs
+field that trtllm-serve's ``--tp_size`` sets and its YAML overwrites, tensorrt_llm/commands/serve.py,
+``get_llm_args``) and TGI's ``--num-shard`` (text-generation-launcher's arguments,
+https://huggingface.co/docs/text-generation-inference/reference/launcher). The first three default to one GPU, so
+they get the key only above one; TGI shards over every GPU it sees unless told, so it always gets it.
+
 The model's precision goes to vLLM as ``quantization`` (only for FP8 quantisation of a BF16 checkpoint on loading;
 vLLM reads a quantised checkpoint's method from its config.json) and ``kv-cache-dtype``, expert parallelism as
 ``enable-expert-parallel``; the other engines list them among the knobs they do not express (SGLang's
@@ -60,13 +69,13 @@ NEUTRAL = {"scheduler.long_prefill_token_threshold": 0, "scheduler.watermark": 0
            "scheduler.reserve_full_prompt": True, "quantization": None, "kv_cache_dtype": "auto",
            "hardware.enable_expert_parallel": False}
 
-# vLLM 0.33's scheduler and cache keys (engines.md; the last four as vllm/engine/arg_utils.py spells them, a
-# `false` written as --no-KEY); its SchedulerConfig refuses any other key at start-up.
+# vLLM 0.33's scheduler and cache keys (engines.md up to max-model-len, the rest as vllm/engine/arg_utils.py spells
+# them, a `false` written as --no-KEY); its SchedulerConfig refuses any other key at start-up.
 VLLM_KEYS = ("max-num-seqs", "max-num-batched-tokens", "enable-chunked-prefill", "long-prefill-token-threshold",
              "scheduling-policy", "max-num-queued-reqs", "max-num-queued-tokens", "watermark", "block-size",
              "gpu-memory-utilization", "enable-prefix-caching", "max-model-len", "async-scheduling",
              "scheduler-reserve-full-isl", "num-gpu-blocks-override", "quantization", "kv-cache-dtype",
-             "enable-expert-parallel")
+             "enable-expert-parallel", "tensor-parallel-size")
 # How each engine orders requests by priority (used when servetune's queue orders carry priorities):
 # servetune follows vLLM, lower value first.
 PRIORITY_ORDER = {"vllm": "lower value served first", "sglang": "higher value served first (negate servetune's)",
@@ -232,13 +241,16 @@ def _vllm(policy: Policy) -> tuple[dict, list[str]]:
         keys["watermark"] = s.watermark
     precision, precision_warnings = _vllm_precision(policy.config)
     keys.update(precision)
+    if policy.config.hardware.tp > 1:
+        keys["tensor-parallel-size"] = policy.config.hardware.tp
     if policy.config.hardware.enable_expert_parallel:
         keys["enable-expert-parallel"] = True
     expressed = {"scheduler.max_num_seqs", "scheduler.batch_size", "scheduler.max_num_batched_tokens",
                  "scheduler.enable_chunked_prefill", "scheduler.long_prefill_token_threshold", "scheduler.block_size",
                  "scheduler.num_kv_blocks", "scheduler.watermark", "scheduler.max_num_queued_reqs",
                  "scheduler.enable_prefix_caching", "scheduler.max_model_len", "scheduler.async_scheduling",
-                 "scheduler.reserve_full_prompt", "quantization", "kv_cache_dtype", "hardware.enable_expert_parallel"}
+                 "scheduler.reserve_full_prompt", "quantization", "kv_cache_dtype", "hardware.tp",
+                 "hardware.enable_expert_parallel"}
     if s.queue_order == "priority":
         expressed.add("scheduler.queue_order")
     warnings = _unexpressed(policy.config, expressed, "vllm") + precision_warnings
@@ -261,9 +273,9 @@ def check_max_model_len(engine: str, key: str, value: Optional[int], config: Con
 
 
 def vllm_reads(keys: dict, config: Config) -> SchedulerConfig:
-    """The scheduler vLLM runs from a file of these keys on ``config``'s model and hardware: the KV cache it
-    sizes at the file's gpu-memory-utilization (unless the file pins the block count), and the model's context
-    length where the file gives no max-model-len."""
+    """The scheduler vLLM runs from a file of these keys on ``config``'s model and GPU: the KV cache it sizes at
+    the file's gpu-memory-utilization and parallelism (unless the file pins the block count), and the model's
+    context length where the file gives no max-model-len."""
     scheduler = SchedulerConfig(
         max_num_seqs=keys["max-num-seqs"], max_num_batched_tokens=keys["max-num-batched-tokens"],
         enable_chunked_prefill=keys["enable-chunked-prefill"],
@@ -272,7 +284,9 @@ def vllm_reads(keys: dict, config: Config) -> SchedulerConfig:
         max_model_len=keys.get("max-model-len", _model_context_length(config)),
         num_kv_blocks=keys.get("num-gpu-blocks-override"))
     if scheduler.num_kv_blocks is None:
-        hardware = dataclasses.replace(config.hardware, gpu_memory_utilization=keys["gpu-memory-utilization"])
+        hardware = dataclasses.replace(config.hardware, gpu_memory_utilization=keys["gpu-memory-utilization"],
+                                       tp=keys.get("tensor-parallel-size", 1),
+                                       enable_expert_parallel=keys.get("enable-expert-parallel", False))
         blocks = _derived_kv_blocks(dataclasses.replace(config, hardware=hardware, scheduler=scheduler))
         scheduler = dataclasses.replace(scheduler, num_kv_blocks=blocks)
     return scheduler
@@ -289,7 +303,10 @@ def check_vllm(keys: dict, config: Config) -> None:
     if not 0 <= keys.get("watermark", 0) < 1:
         raise UserError(f"vllm: watermark {keys['watermark']} outside [0, 1)")
     check_max_model_len("vllm", "max-model-len", keys.get("max-model-len"), config)
-    refusal = vllm_reads(keys, config).vllm_refusal()
+    try:
+        refusal = vllm_reads(keys, config).vllm_refusal()
+    except UserError as error:   # the weights leave no room for a KV block on the file's GPUs
+        refusal = str(error)
     if refusal is not None:
         raise UserError(f"vllm: the exported file would not start vLLM: {refusal}")
 
@@ -311,6 +328,8 @@ def _sglang(policy: Policy) -> tuple[dict, list[str]]:
         "max-total-tokens": _usable_kv_tokens(s),
         "disable-radix-cache": not s.enable_prefix_caching,
     }
+    if policy.config.hardware.tp > 1:
+        keys["tp-size"] = policy.config.hardware.tp
     if s.queue_order == "priority":
         # SGLang serves higher values first unless told otherwise; servetune (like vLLM) serves lower first.
         keys["enable-priority-scheduling"] = True
@@ -328,7 +347,7 @@ def _sglang(policy: Policy) -> tuple[dict, list[str]]:
                         "queues more than the simulation did")
     expressed = {"scheduler.max_num_seqs", "scheduler.batch_size", "scheduler.max_num_batched_tokens",
                  "scheduler.enable_chunked_prefill", "scheduler.num_kv_blocks", "scheduler.block_size",
-                 "scheduler.max_num_queued_reqs", "scheduler.enable_prefix_caching"}
+                 "scheduler.max_num_queued_reqs", "scheduler.enable_prefix_caching", "hardware.tp"}
     if s.queue_order == "priority":
         expressed.add("scheduler.queue_order")
     warnings = _unexpressed(policy.config, expressed, "sglang") + warnings
@@ -366,9 +385,11 @@ def _trtllm(policy: Policy) -> tuple[dict, list[str]]:
     # smaller of max_tokens and free_gpu_memory_fraction's share is what TensorRT-LLM allocates).
     keys["kv_cache_config"] = {"enable_block_reuse": s.enable_prefix_caching, "tokens_per_block": s.block_size,
                                "max_tokens": _usable_kv_tokens(s)}
+    if policy.config.hardware.tp > 1:
+        keys["tensor_parallel_size"] = policy.config.hardware.tp
     expressed = {"scheduler.max_num_seqs", "scheduler.max_num_batched_tokens", "scheduler.enable_chunked_prefill",
                  "scheduler.batch_size", "scheduler.enable_prefix_caching", "scheduler.block_size",
-                 "scheduler.num_kv_blocks"}
+                 "scheduler.num_kv_blocks", "hardware.tp"}
     warnings = _unexpressed(policy.config, expressed, "trtllm", policies=("continuous", "static"))
     check_trtllm(keys)
     return keys, warnings
@@ -390,13 +411,14 @@ def _tgi(policy: Policy) -> tuple[dict, list[str]]:
         "--max-batch-prefill-tokens": s.max_num_batched_tokens,
         # TGI sizes its KV cache in tokens: the simulated cache's usable ones.
         "--max-batch-total-tokens": _usable_kv_tokens(s),
+        "--num-shard": policy.config.hardware.tp,
     }
     if s.max_num_queued_reqs is not None:
         # TGI's router holds a permit per request from arrival to its last token: waiting and running, the
         # requests the simulated limit counts.
         keys["--max-concurrent-requests"] = s.max_num_queued_reqs
     expressed = {"scheduler.max_num_seqs", "scheduler.batch_size", "scheduler.max_num_batched_tokens",
-                 "scheduler.num_kv_blocks", "scheduler.block_size", "scheduler.max_num_queued_reqs"}
+                 "scheduler.num_kv_blocks", "scheduler.block_size", "scheduler.max_num_queued_reqs", "hardware.tp"}
     warnings = _unexpressed(policy.config, expressed, "tgi")
     if s.max_num_queued_reqs is None:
         warnings.append("tgi always caps requests in flight (--max-concurrent-requests, default 128) where the "

@@ -636,6 +636,9 @@ def test_the_vllm_export_carries_enable_expert_parallel():
 
     on = exported("vllm", True)
     assert yaml.safe_load(on.text)["enable-expert-parallel"] is True   # vLLM 0.33's --enable-expert-parallel
+    # vLLM's expert-parallel group is its tensor-parallel one (vllm/config/parallel.py), so the file needs the
+    # degree too: without it vLLM would start on one GPU with nothing to spread the experts over.
+    assert yaml.safe_load(on.text)["tensor-parallel-size"] == 2
     assert not any("enable_expert_parallel" in warning for warning in on.warnings)
     assert "enable-expert-parallel" not in exported("vllm", False).text
     # SGLang's --ep-size takes a degree whose placement servetune does not model: listed, not written

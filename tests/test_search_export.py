@@ -26,12 +26,13 @@ from servetune.search.study.optimize import run_study
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
-# vLLM 0.33's accepted keys, typed from ../shared/reference/engines.md and, for the last three, from vLLM 0.33's
-# vllm/engine/arg_utils.py (not imported from the exporter).
+# vLLM 0.33's accepted keys, typed from ../shared/reference/engines.md and, for the last four, from vLLM 0.33's
+# vllm/engine/arg_utils.py and vllm/config/parallel.py (ParallelConfig.tensor_parallel_size), not imported from the
+# exporter.
 VLLM_033_KEYS = {"max-num-seqs", "max-num-batched-tokens", "enable-chunked-prefill", "long-prefill-token-threshold",
                  "scheduling-policy", "max-num-queued-reqs", "max-num-queued-tokens", "watermark", "block-size",
                  "gpu-memory-utilization", "enable-prefix-caching", "max-model-len", "async-scheduling",
-                 "scheduler-reserve-full-isl", "num-gpu-blocks-override"}
+                 "scheduler-reserve-full-isl", "num-gpu-blocks-override", "tensor-parallel-size"}
 VLLM_REMOVED = {"max-num-partial-prefills", "max-long-partial-prefills", "preemption-mode", "swap-space"}
 
 
@@ -41,6 +42,11 @@ def _config(*overrides):
 
 def _policy(*overrides, blocks_given=True):
     return Policy(_config(*overrides), kv_blocks_given=blocks_given)
+
+
+def _tgi_flags(text: str) -> dict:
+    words = shlex.split(" ".join(line for line in text.splitlines() if not line.startswith("#")))
+    return dict(zip(words[::2], words[1::2]))
 
 
 def _vllm_rules_hold(keys: dict) -> None:
@@ -171,10 +177,8 @@ def test_every_engine_file_parses_back_to_the_knobs():
     trtllm = yaml.safe_load(export(policy, "trtllm").text)
     assert (trtllm["max_batch_size"], trtllm["max_num_tokens"], trtllm["enable_chunked_prefill"]) == (48, 1024, True)
     assert trtllm["scheduler_config"]["capacity_scheduler_policy"] == "MAX_UTILIZATION"
-    words = shlex.split(" ".join(line for line in export(policy, "tgi").text.splitlines() if not line.startswith("#")))
-    tgi = dict(zip(words[::2], words[1::2]))
-    assert tgi == {"--max-batch-size": "48", "--max-batch-prefill-tokens": "1024",
-                   "--max-batch-total-tokens": str(8191 * 16), "--max-concurrent-requests": "200"}
+    assert _tgi_flags(export(policy, "tgi").text) == {"--max-batch-size": "48", "--max-batch-prefill-tokens": "1024",
+                   "--max-batch-total-tokens": str(8191 * 16), "--num-shard": "1", "--max-concurrent-requests": "200"}
     own = yaml.safe_load(export(policy, "servetune").text)
     assert own["scheduler"] == dataclasses.asdict(policy.config.scheduler)
     static = yaml.safe_load(export(_policy("scheduler.policy=static", "scheduler.batch_size=24"), "trtllm").text)
@@ -183,6 +187,40 @@ def test_every_engine_file_parses_back_to_the_knobs():
     unchunked = yaml.safe_load(export(_policy("scheduler.enable_chunked_prefill=false",
                                               "scheduler.max_num_batched_tokens=4096"), "sglang").text)
     assert unchunked["chunked-prefill-size"] == -1
+
+
+def test_tensor_parallelism_goes_to_every_engine_under_its_own_name():
+    # The names, typed from each engine's source: vLLM's --tensor-parallel-size (vllm/config/parallel.py,
+    # ParallelConfig.tensor_parallel_size), SGLang's --tp-size (python/sglang/srt/server_args.py; its --config
+    # turns a key into --KEY), the LlmArgs field tensor_parallel_size that trtllm-serve's --tp_size sets and its
+    # YAML overwrites (tensorrt_llm/commands/serve.py), TGI's --num-shard (text-generation-launcher's arguments).
+    exported = {engine: export(_policy("hardware.tp=2"), engine) for engine in ("vllm", "sglang", "trtllm", "tgi")}
+    vllm = yaml.safe_load(exported["vllm"].text)
+    _vllm_rules_hold(vllm)
+    assert vllm["tensor-parallel-size"] == 2
+    assert yaml.safe_load(exported["sglang"].text)["tp-size"] == 2
+    assert yaml.safe_load(exported["trtllm"].text)["tensor_parallel_size"] == 2
+    assert _tgi_flags(exported["tgi"].text)["--num-shard"] == "2"
+    for engine, file in exported.items():
+        assert not [w for w in file.warnings if "hardware.tp" in w], (engine, file.warnings)
+    # One GPU is the default of vLLM, SGLang and trtllm-serve (each of the sources above), so their files leave
+    # it out; TGI shards over every GPU it can see unless --num-shard says otherwise, so its file always says.
+    one = {engine: export(_policy(), engine).text for engine in ("vllm", "sglang", "trtllm", "tgi")}
+    assert "tensor-parallel-size" not in yaml.safe_load(one["vllm"])
+    assert "tp-size" not in yaml.safe_load(one["sglang"])
+    assert "tensor_parallel_size" not in yaml.safe_load(one["trtllm"])
+    assert _tgi_flags(one["tgi"])["--num-shard"] == "1"
+
+
+def test_a_vllm_file_is_read_back_on_the_gpus_it_names():
+    # Llama-2-70B's BF16 weights, 68.98e9 x 2 bytes = 128.5 GiB, fit four A100-80GBs (32.1 GiB each) but not one
+    # (0.92 x 80 GiB = 73.6 GiB), so the file's tensor-parallel-size is what lets vLLM start at all.
+    config = _config("model=llama-2-70b", "hardware.tp=4", "scheduler.num_kv_blocks=null")
+    keys = yaml.safe_load(export(Policy(config, kv_blocks_given=False), "vllm").text)
+    assert keys["tensor-parallel-size"] == 4
+    check_vllm(keys, config)
+    with pytest.raises(UserError, match="vllm: the exported file would not start vLLM: .*llama-2-70b at tp=1"):
+        check_vllm({key: value for key, value in keys.items() if key != "tensor-parallel-size"}, config)
 
 
 def test_knobs_an_engine_cannot_express_are_warned_about_in_the_result_and_the_file():
