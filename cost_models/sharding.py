@@ -58,6 +58,17 @@ def attention_shapes(model: ModelSpec, tp: int) -> Shapes:
             (q_heads * m.v_head_dim, h))
 
 
+class NoExperts(InvalidValue):
+    """Expert parallelism asked of a dense model. A config key is answered with the value it refuses
+    (``got true, expected false: ...``); a command-line switch has no value to show, so the command line gives
+    ``dense``, the reason alone."""
+
+    def __init__(self, model_name: str) -> None:
+        self.dense = (f"{model_name} is a dense model, with no experts to shard (expert parallelism is for "
+                      "mixture-of-experts models)")
+        super().__init__("enable_expert_parallel", True, f"false: {self.dense}")
+
+
 def layer_shard(model: ModelSpec, tp: int, expert_parallel: bool = False) -> LayerShard:
     """What one of ``tp`` GPUs holds of each kind of layer; an ``InvalidValue`` (named ``tp``) for a split vLLM
     refuses, or (named ``enable_expert_parallel``) for expert parallelism on a model without experts."""
@@ -68,9 +79,7 @@ def layer_shard(model: ModelSpec, tp: int, expert_parallel: bool = False) -> Lay
     if moe is None and expert_parallel:
         # vLLM's flag changes only the expert layers, so on a dense model it would be silently ignored: refused
         # here, so that no config claims a deployment it does not describe.
-        raise InvalidValue("enable_expert_parallel", True,
-                           f"false for {model.name}, which has no experts to shard (a dense model; expert "
-                           "parallelism is for mixture-of-experts models)")
+        raise NoExperts(model.name)
     if moe is None:
         return LayerShard(attention, dense, (), (), (), 0)
     for name, width in (("expert", moe.expert_intermediate_size), ("shared expert", moe.shared_intermediate_size)):

@@ -22,6 +22,7 @@ from servetune.cost_models.catalog import resolve_gpu, resolve_model
 from servetune.cost_models.gpus import GIB, GPU_ALIASES, GPUS, GpuSpec
 from servetune.cost_models.memory import kv_capacity
 from servetune.cost_models.models import KV_CACHE_DTYPES, MODELS, QUANTIZATION_METHODS
+from servetune.cost_models.sharding import NoExperts
 from servetune.errors import InvalidValue, UserError, unforced_fit_problems
 from servetune.paths import check_output_file
 
@@ -185,6 +186,8 @@ def _named_by_flags(run):
     def wrapped(args: argparse.Namespace) -> int:
         try:
             return run(args)
+        except NoExperts as error:   # the switch is a flag given, not a value: say what is wrong with it
+            raise UserError(f"--enable-expert-parallel: {error.dense}; leave the flag off") from None
         except InvalidValue as error:
             raise InvalidValue(FLAGS.get(error.name, error.name), error.value, error.expected) from None
     return wrapped

@@ -324,8 +324,12 @@ def test_the_calibration_report_fits_80_columns_uncut(tmp_path, monkeypatch, cap
     (["memory", "--quantization", "int8"],
      "--quantization: got 'int8', expected null or one of fp8, awq, gptq, compressed-tensors, mxfp4"),
     (["cost", "--kv-cache-dtype", "fp16", "--decode-batch", "1"], "--kv-cache-dtype: got 'fp16', expected one of auto"),
+    # a switch has no value to report: the message says what is wrong with giving it
     (["memory", "--model", "llama-3-8b", "--enable-expert-parallel"],
-     "--enable-expert-parallel: got True, expected false for llama-3-8b, which has no experts to shard"),
+     "--enable-expert-parallel: llama-3-8b is a dense model, with no experts to shard (expert parallelism is for "
+     "mixture-of-experts models); leave the flag off"),
+    (["cost", "--model", "llama-3-8b", "--enable-expert-parallel", "--decode-batch", "1"],
+     "--enable-expert-parallel: llama-3-8b is a dense model, with no experts to shard"),
 ])
 def test_cost_and_memory_errors_name_the_flag(argv, message, capsys):
     assert main(argv) == 2

@@ -231,8 +231,8 @@ def test_the_config_keys_refuse_what_vllm_would(key, value, message):
 
 
 @pytest.mark.parametrize("model, value, message", [
-    ("llama-3-8b", True, "hardware.enable_expert_parallel: got true, expected false for llama-3-8b, which has no "
-                         "experts to shard"),
+    ("llama-3-8b", True, "hardware.enable_expert_parallel: got true, expected false: llama-3-8b is a dense model, "
+                         "with no experts to shard"),
     ("mixtral-8x7b", "yes", "hardware.enable_expert_parallel: got 'yes', expected true or false"),
 ])
 def test_the_expert_parallel_key_is_a_switch_for_models_with_experts(model, value, message):
