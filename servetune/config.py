@@ -285,7 +285,8 @@ class SchedulerConfig:
     length_prediction_noise: LogSpread = 0.0   # sjf: sigma of the predictor's log error (0: the true length)
     enable_prefix_caching: Bool = False
     # Tokens every layer attends to (vLLM's CacheConfig.sliding_window, set when all of the model's layers slide:
-    # one SlidingWindowSpec group whose blocks behind the window are freed); 0: full attention; null: the model's
+    # one SlidingWindowSpec group whose blocks behind the window are freed); unset or 0: full attention. Given by
+    # hand: the model's config.json does not fill it (docs/cost-models.md, local attention).
     sliding_window: Optional[Annotated[Int, Field(ge=0, le=MAX_TOKEN_COUNT)]] = None
 
     @property
