@@ -671,10 +671,12 @@ class RingQueue(WaitingQueue):
         victims are the front: claim nothing)."""
         at = jnp.minimum(admitted, num_slots - 1)
         length = front.rows.prompt[at] + front.rows.generated[at]
-        first_chunk = _ceil_div(front.rows.computed[at] + 1, params.block_size)
-        if front.rows.skipped is not None:
-            first_chunk = first_chunk - front.rows.skipped[at]
-        blocks = jnp.where(params.reserve_full_prompt, _admission_blocks(params, length), first_chunk)
+        if front.rows.skipped is None:   # full attention: one division, since a second costs the loop a kernel
+            blocks = _ceil_div(jnp.where(params.reserve_full_prompt, length, front.rows.computed[at] + 1),
+                               params.block_size)
+        else:
+            first_chunk = _ceil_div(front.rows.computed[at] + 1, params.block_size) - front.rows.skipped[at]
+            blocks = jnp.where(params.reserve_full_prompt, _admission_blocks(params, length), first_chunk)
         return jnp.where(front.valid[at] & (admitted < num_slots) & ~_any(preempted),
                          blocks + params.watermark_blocks, 0)
 
