@@ -67,7 +67,9 @@ NEUTRAL = {"scheduler.long_prefill_token_threshold": 0, "scheduler.watermark": 0
            "scheduler.priority_weights": None, "scheduler.length_prediction_noise": 0.0,
            "scheduler.enable_prefix_caching": False, "scheduler.async_scheduling": None,
            "scheduler.reserve_full_prompt": True, "quantization": None, "kv_cache_dtype": "auto",
-           "hardware.enable_expert_parallel": False}
+           "hardware.enable_expert_parallel": False,
+           # No engine takes the window as a flag: vLLM reads it from the model's config.json (null: full attention).
+           "scheduler.sliding_window": None}
 
 # vLLM 0.33's scheduler and cache keys (engines.md up to max-model-len, the rest as vllm/engine/arg_utils.py spells
 # them, a `false` written as --no-KEY); its SchedulerConfig refuses any other key at start-up.

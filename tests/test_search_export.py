@@ -237,6 +237,14 @@ def test_knobs_an_engine_cannot_express_are_warned_about_in_the_result_and_the_f
         _policy("scheduler.policy=static"), "trtllm").warnings
 
 
+def test_a_full_attention_model_draws_no_sliding_window_warning():
+    # Every engine reads the window from the model's config.json, so an unset window (full attention) is not a
+    # knob an engine leaves out.
+    for engine in ("vllm", "sglang", "trtllm", "tgi"):
+        warnings = export(_policy(), engine).warnings
+        assert not [w for w in warnings if "sliding_window" in w], (engine, warnings)
+
+
 def test_priority_direction_is_stated_per_engine():
     assert "# request priority: lower value served first" in export(_policy(), "vllm").text
     assert "# request priority: higher value served first" in export(_policy(), "sglang").text
