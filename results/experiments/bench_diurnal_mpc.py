@@ -21,6 +21,7 @@ its 100-trial study's best) unless ``--static`` names another.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import time
@@ -77,12 +78,6 @@ def make_controller(steps: int, horizon: int):
     return jax.jit(jax.vmap(decide, (0, None, None)))
 
 
-def hold(obs, params, action):
-    """``play``'s act for a fixed config: the same action whatever the observation."""
-    del obs, params
-    return action
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_arguments(parser, default="examples/diurnal.yaml")
@@ -108,7 +103,9 @@ def main() -> None:
     print(f"{args.episodes} held-out days (variants from {config.rl.num_workloads}), {steps} intervals of "
           f"{config.rl.interval_s:g} s, {len(knobs)} candidates, look-ahead {args.horizon} intervals")
 
-    static_runs = play(world, hold, candidates[0]).metrics
+    # The static config played as eval-policy plays the config's own knobs: as the world's config action.
+    static_world = dataclasses.replace(world, params=dataclasses.replace(params, config_action=candidates[0]))
+    static_runs = play(static_world, "fixed_config").metrics
 
     start = time.perf_counter()
     decide = make_controller(steps, args.horizon)
