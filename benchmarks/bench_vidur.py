@@ -2,7 +2,7 @@
 
     python benchmarks/bench_vidur.py [--requests N] [--variants] [--batches BATCHES.csv]
 
-The fixture (results/experiments/vidur/, made by run_vidur.py there, whose README gives the Vidur commit and
+The fixture (results/experiments/vidur/, made by run_vidur.py there, whose ATTRIBUTION.md gives the Vidur commit and
 command) holds every request of one Vidur run: CodeLlama-34B on two A100s (TP 2), Vidur's Sarathi scheduler with
 512-token chunks and 128 seats, Azure conversation lengths, Poisson arrivals at 2.5 req/s. Those requests (same
 arrivals, same lengths) are replayed through servetune's engine with the matching vLLM knobs (max_num_seqs 128,
