@@ -34,8 +34,12 @@ they get the key only above one; TGI shards over every GPU it sees unless told, 
 
 The model's precision goes to vLLM as ``quantization`` (only for FP8 quantisation of a BF16 checkpoint on loading;
 vLLM reads a quantised checkpoint's method from its config.json) and ``kv-cache-dtype``, expert parallelism as
-``enable-expert-parallel``; the other engines list them among the knobs they do not express (SGLang's
-``--ep-size`` takes a degree, not a switch, and its expert placement is not modelled here).
+``enable-expert-parallel``; SGLang and TensorRT-LLM list the precision among the knobs they do not express.
+vLLM's expert parallelism (with one data-parallel rank) spreads each MoE layer's experts over the ``tp`` GPUs,
+none split; SGLang gets the same as ``ep-size`` = tp (python/sglang/srt/server_args.py, ``--expert-parallel-size``
+/ ``--ep-size``: each TP rank's expert group is tp_rank // (tp / ep), so ep = tp gives every GPU its own experts),
+and TensorRT-LLM as ``moe_expert_parallel_size`` = tp with ``moe_tensor_parallel_size`` 1 (LlmArgs,
+tensorrt_llm/llmapi/llm_args.py; tensorrt_llm/mapping.py requires moe_tp x moe_ep = tp).
 
 The admission limit ``max_num_queued_reqs`` counts unfinished requests, waiting and running, as vLLM's
 ``max-num-queued-reqs`` does (vllm/v1/engine/async_llm.py); TGI's ``--max-concurrent-requests`` counts the
@@ -332,6 +336,8 @@ def _sglang(policy: Policy) -> tuple[dict, list[str]]:
     }
     if policy.config.hardware.tp > 1:
         keys["tp-size"] = policy.config.hardware.tp
+        if policy.config.hardware.enable_expert_parallel:
+            keys["ep-size"] = policy.config.hardware.tp
     if s.queue_order == "priority":
         # SGLang serves higher values first unless told otherwise; servetune (like vLLM) serves lower first.
         keys["enable-priority-scheduling"] = True
@@ -349,7 +355,8 @@ def _sglang(policy: Policy) -> tuple[dict, list[str]]:
                         "queues more than the simulation did")
     expressed = {"scheduler.max_num_seqs", "scheduler.batch_size", "scheduler.max_num_batched_tokens",
                  "scheduler.enable_chunked_prefill", "scheduler.num_kv_blocks", "scheduler.block_size",
-                 "scheduler.max_num_queued_reqs", "scheduler.enable_prefix_caching", "hardware.tp"}
+                 "scheduler.max_num_queued_reqs", "scheduler.enable_prefix_caching", "hardware.tp",
+                 "hardware.enable_expert_parallel"}
     if s.queue_order == "priority":
         expressed.add("scheduler.queue_order")
     warnings = _unexpressed(policy.config, expressed, "sglang") + warnings
@@ -389,9 +396,12 @@ def _trtllm(policy: Policy) -> tuple[dict, list[str]]:
                                "max_tokens": _usable_kv_tokens(s)}
     if policy.config.hardware.tp > 1:
         keys["tensor_parallel_size"] = policy.config.hardware.tp
+        if policy.config.hardware.enable_expert_parallel:
+            keys["moe_expert_parallel_size"] = policy.config.hardware.tp
+            keys["moe_tensor_parallel_size"] = 1
     expressed = {"scheduler.max_num_seqs", "scheduler.max_num_batched_tokens", "scheduler.enable_chunked_prefill",
                  "scheduler.batch_size", "scheduler.enable_prefix_caching", "scheduler.block_size",
-                 "scheduler.num_kv_blocks", "hardware.tp"}
+                 "scheduler.num_kv_blocks", "hardware.tp", "hardware.enable_expert_parallel"}
     warnings = _unexpressed(policy.config, expressed, "trtllm", policies=("continuous", "static"))
     check_trtllm(keys)
     return keys, warnings

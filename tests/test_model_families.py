@@ -624,7 +624,7 @@ def test_the_vllm_export_carries_the_precision_flags():
     assert "quantization:" not in export(Policy(deepseek, kv_blocks_given=False), "vllm").text
 
 
-def test_the_vllm_export_carries_enable_expert_parallel():
+def test_every_export_carries_expert_parallelism():
     from servetune.pipeline import resolve
     from servetune.search.export import Policy, export
 
@@ -641,8 +641,18 @@ def test_the_vllm_export_carries_enable_expert_parallel():
     assert yaml.safe_load(on.text)["tensor-parallel-size"] == 2
     assert not any("enable_expert_parallel" in warning for warning in on.warnings)
     assert "enable-expert-parallel" not in exported("vllm", False).text
-    # SGLang's --ep-size takes a degree whose placement servetune does not model: listed, not written
-    assert "sglang cannot express hardware.enable_expert_parallel=true" in exported("sglang", True).warnings
+    # The same placement, every GPU holding its own experts, in the other engines' own words: SGLang's
+    # --ep-size degree (python/sglang/srt/server_args.py) and TensorRT-LLM's LlmArgs fields
+    # (tensorrt_llm/llmapi/llm_args.py), whose MoE TP x EP must make the TP degree (tensorrt_llm/mapping.py).
+    sglang, trtllm = exported("sglang", True), exported("trtllm", True)
+    assert yaml.safe_load(sglang.text)["ep-size"] == 2 and yaml.safe_load(sglang.text)["tp-size"] == 2
+    trt_keys = yaml.safe_load(trtllm.text)
+    assert (trt_keys["moe_expert_parallel_size"], trt_keys["moe_tensor_parallel_size"]) == (2, 1)
+    assert trt_keys["moe_expert_parallel_size"] * trt_keys["moe_tensor_parallel_size"] == trt_keys["tensor_parallel_size"]
+    for file in (sglang, trtllm):
+        assert not any("enable_expert_parallel" in warning for warning in file.warnings), file.warnings
+    assert "ep-size" not in exported("sglang", False).text
+    assert "moe_expert_parallel_size" not in exported("trtllm", False).text
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True])
