@@ -285,8 +285,9 @@ class SchedulerConfig:
     length_prediction_noise: LogSpread = 0.0   # sjf: sigma of the predictor's log error (0: the true length)
     enable_prefix_caching: Bool = False
     # Tokens every layer attends to (vLLM's CacheConfig.sliding_window, set when all of the model's layers slide:
-    # one SlidingWindowSpec group whose blocks behind the window are freed); unset or 0: full attention. Given by
-    # hand: the model's config.json does not fill it (docs/cost-models.md, local attention).
+    # one SlidingWindowSpec group whose blocks behind the window are freed); 0: full attention. Unset, it is
+    # filled from the model when the config resolves (servetune.pipeline.fill_derived); a value set by hand must
+    # be the model's.
     sliding_window: Optional[Annotated[Int, Field(ge=0, le=MAX_TOKEN_COUNT)]] = None
 
     @property
@@ -320,11 +321,16 @@ class SchedulerConfig:
         if self.long_prefill_token_threshold > model_len:
             return (f"scheduler.long_prefill_token_threshold: {self.long_prefill_token_threshold} is above "
                     f"max_model_len {model_len}; vLLM requires long_prefill_token_threshold <= max_model_len")
-        if -(-model_len // self.block_size) > self.usable_kv_blocks:
-            return (f"scheduler.max_model_len: {model_len} tokens need {-(-model_len // self.block_size)} KV blocks "
-                    f"of {self.block_size}, but num_kv_blocks {self.num_kv_blocks} leaves {self.usable_kv_blocks} "
-                    f"usable (one is vLLM's null block); vLLM refuses to start when the KV cache cannot hold "
-                    f"max_model_len")
+        # With a window a request holds at most admission_blocks_cap blocks, and vLLM's start-up check asks for
+        # that many (SlidingWindowSpec.max_memory_usage_bytes, vllm/v1/kv_cache_interface.py:946-955, checked by
+        # check_enough_kv_cache_memory, vllm/v1/core/kv_cache_planning.py:151-180).
+        needed = self.admission_blocks_cap or -(-model_len // self.block_size)
+        if needed > self.usable_kv_blocks:
+            held = (f"tokens under the {self.window}-token sliding window hold up to" if self.window else
+                    "tokens need")
+            return (f"scheduler.max_model_len: {model_len} {held} {needed} KV blocks of {self.block_size}, but "
+                    f"num_kv_blocks {self.num_kv_blocks} leaves {self.usable_kv_blocks} usable (one is vLLM's null "
+                    f"block); vLLM refuses to start when the KV cache cannot hold max_model_len")
         return None
 
     @property

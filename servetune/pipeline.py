@@ -43,7 +43,39 @@ def fill_derived(config: Config) -> Config:
         scheduler = dataclasses.replace(scheduler, num_kv_blocks=num_kv_blocks)
     if scheduler.max_model_len is None:
         scheduler = dataclasses.replace(scheduler, max_model_len=default_max_model_len(config))
+    window = model_sliding_window(config)
+    if scheduler.sliding_window is None:
+        scheduler = dataclasses.replace(scheduler, sliding_window=window)
+    elif scheduler.window != (window or 0):
+        # vLLM reads the window from the model's config.json (ModelConfig.get_sliding_window,
+        # vllm/config/model.py), so a different one is a simulation no deployment reproduces.
+        model_has = f"a {window}-token sliding window on every layer" if window else "no window over all its layers"
+        raise ConfigError(f"{config.source or '<config>'}: scheduler.sliding_window: got {scheduler.sliding_window}, "
+                          f"but {config.model} has {model_has}, which vLLM reads from its config.json; leave the key "
+                          f"unset")
     return dataclasses.replace(config, scheduler=scheduler)
+
+
+def model_sliding_window(config: Config) -> Optional[int]:
+    """The window when every layer of the model slides (vLLM then keeps one SlidingWindowSpec group, whose
+    blocks behind the window it frees), else None. A model with some full-attention layers keeps those layers'
+    blocks in their own groups (vLLM's hybrid allocator), which the engine does not model: its pool is sized the
+    hybrid way (docs/cost-models.md) and its requests hold full-attention blocks."""
+    model = resolve_model(config.model, _config_dir(config))
+    local = model.local_attention
+    if local is not None and local.kind == "sliding" and local.num_layers == model.num_layers:
+        return local.window
+    return None
+
+
+def unmodelled_combination(resolved: Config) -> Optional[str]:
+    """Knobs vLLM runs together that the simulator does not model together; None when there are none."""
+    if resolved.scheduler.window and resolved.scheduler.enable_prefix_caching:
+        return (f"scheduler.enable_prefix_caching: true is not simulated under {resolved.model}'s "
+                f"{resolved.scheduler.window}-token sliding window: vLLM's SlidingWindowManager counts a hit on the "
+                f"window's blocks only (SlidingWindowManager.find_longest_cache_hit, vllm/v1/core/single_type_kv_cache_manager.py:969), "
+                f"where servetune's prefix cache counts full-attention hits; set it to false")
+    return None
 
 
 def default_max_model_len(config: Config) -> Optional[int]:
@@ -95,7 +127,7 @@ def resolve(config: Config) -> Config:
     """The config as simulated: derived fields filled (``fill_derived``), and a ConfigError if vLLM would
     refuse to start with its knobs, since no deployment could then reproduce the simulation."""
     resolved = fill_derived(config)
-    refusal = vllm_refusal(resolved)
+    refusal = vllm_refusal(resolved) or unmodelled_combination(resolved)
     if refusal is not None:
         raise ConfigError(f"{resolved.source or '<config>'}: {refusal}")
     return resolved

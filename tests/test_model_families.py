@@ -549,6 +549,40 @@ def test_mistral_7b_attends_within_its_4096_token_window():
     assert np.array_equal(times[:2], before_window[:2]) and np.all(times[2:] < before_window[2:])
 
 
+def _mistral(**scheduler) -> Config:
+    return config_from_dict({"model": "mistral-7b", "cost_model": {"kind": "roofline"},
+                             "hardware": {"gpu": "h100-80gb"},
+                             "scheduler": {"max_num_batched_tokens": 2048, "num_kv_blocks": 2000, **scheduler}})
+
+
+def test_a_model_whose_every_layer_slides_fills_its_window_when_the_config_resolves():
+    from servetune.pipeline import fill_derived, resolve
+
+    assert fill_derived(_mistral()).scheduler.sliding_window == 4096   # its config.json's, on all 32 layers
+    # gpt-oss slides on half its layers: vLLM keeps the full-attention layers' blocks, so no window is freed
+    assert fill_derived(config_from_dict({"model": "gpt-oss-20b", "cost_model": {"kind": "roofline"},
+                                          "hardware": {"gpu": "h100-80gb"}})).scheduler.sliding_window is None
+    assert fill_derived(config_from_dict({"model": "llama-2-7b"})).scheduler.sliding_window is None
+    assert resolve(_mistral(sliding_window=4096)).scheduler.sliding_window == 4096
+    with pytest.raises(ConfigError, match="sliding_window: got 512, but mistral-7b has a 4096-token sliding window"):
+        fill_derived(_mistral(sliding_window=512))
+    with pytest.raises(ConfigError, match="sliding_window: got 512, but llama-2-7b has no window"):
+        fill_derived(config_from_dict({"model": "llama-2-7b", "scheduler": {"sliding_window": 512}}))
+    with pytest.raises(ConfigError, match="enable_prefix_caching: true is not simulated under mistral-7b's 4096-token"):
+        resolve(_mistral(enable_prefix_caching=True))
+
+
+def test_vllm_refuses_a_cache_smaller_than_one_request_under_the_window():
+    from servetune.pipeline import fill_derived, vllm_refusal
+
+    # SlidingWindowSpec.max_admission_blocks_per_request: min(4096 - 1 + 2 x 2048 in flight (async), 32768) tokens
+    # = 8191, in blocks of 16: 512, plus one = 513; the null block makes 514 the fewest vLLM starts with
+    assert vllm_refusal(fill_derived(_mistral(num_kv_blocks=514))) is None
+    refusal = vllm_refusal(fill_derived(_mistral(num_kv_blocks=513)))
+    assert refusal is not None and "max_model_len: 32768 tokens under the 4096-token sliding window hold up to 513 KV blocks" in refusal
+    # (full attention would ask for ceil(32768 / 16) = 2048 blocks of this max_model_len)
+
+
 def test_mistral_7b_kv_cache_by_hand():
     """Every layer slides, so vLLM's pool (one KV group, all 32 layers per block) has the blocks a full-attention
     model of these shapes would; vLLM's SlidingWindowManager.remove_skipped_blocks frees the blocks before token

@@ -52,7 +52,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from servetune.config import Config, SearchConfig
 from servetune.errors import UserError
-from servetune.pipeline import deployment_refusal, fill_derived, vllm_refusal
+from servetune.pipeline import deployment_refusal, fill_derived, unmodelled_combination, vllm_refusal
 from servetune.search.study.baselines import (
     BASELINE_ATTR, VLLM_DEFAULT, baseline_settings, baselines, configuration, space_with_baselines,
 )
@@ -343,7 +343,9 @@ def _vllm_refusal(study_variants: Sequence[Variant], knobs: dict) -> Optional[st
     KV cache or max_model_len), or None."""
     for variant in study_variants:
         knobbed = apply_knobs(variant.config, knobs)
-        refusal = deployment_refusal(knobbed) or vllm_refusal(fill_derived(knobbed))
+        if (refusal := deployment_refusal(knobbed)) is None:
+            resolved = fill_derived(knobbed)
+            refusal = vllm_refusal(resolved) or unmodelled_combination(resolved)
         if refusal is not None:
             scenario = f"search.scenarios[{variant.scenario}]: " if variant.config.search.scenarios else ""
             return scenario + refusal
