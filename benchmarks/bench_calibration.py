@@ -11,6 +11,8 @@ Prints markdown tables (step-time MAPE, worst error):
 2. ``calibrate --steps`` on half: for each model the profiles were not fitted on, the steps of one GPU split in
    two by step shape (2-fold), the profile of that GPU refitted on one half and judged on the other (the
    ``calibrate_steps`` code path), next to the uncalibrated roofline and the shipped profile.
+3. ``calibrate --steps`` on half of DistServe's whole-step fits (OPT-13B and OPT-66B on A100 at TP 1-8, under
+   the 2023 vLLM and under DistServe's engine), judged on the other half.
 Needs the Vidur data under ``--shared`` (default: ``servetune.paths.shared_data_dir()``).
 """
 from __future__ import annotations
@@ -76,7 +78,7 @@ def cross_gpu(vidur: Path, profiles: dict[str, Calibration], models) -> list[str
 
 def steps_on_half(vidur: Path, profiles: dict[str, Calibration], models) -> list[str]:
     lines = ["| GPU | steps of | TP | steps | rows | uncalibrated | shipped profile | after --steps on half "
-             "(held out) | decode / prefill held out |", "|---|---|---:|---|---:|---:|---:|---:|---|"]
+             "(held out) | decode / prefill held out | token tile |", "|---|---|---:|---|---:|---:|---:|---:|---|---:|"]
     for gpu_key in GPUS:
         gpu = resolve_gpu(GPUS[gpu_key])
         initial = profiles[gpu_key]
@@ -95,7 +97,40 @@ def steps_on_half(vidur: Path, profiles: dict[str, Calibration], models) -> list
             label = "whole" if with_attention else "layers, no attention"
             lines.append(f"| {gpu_key.upper()} | {model_id} | {tp} | {label} | {len(kinds)} | "
                          f"{_cell(by_kind['all']['uncalibrated'])} | {_cell(by_kind['all']['initial'])} | "
-                         f"**{_cell(by_kind['all']['held_out'])}** | {split} |")
+                         f"**{_cell(by_kind['all']['held_out'])}** | {split} | {result.report['matmul_token_tile']} |")
+    return lines
+
+
+def distserve_on_half(shared: Path, profiles: dict[str, Calibration]) -> list[str]:
+    """``calibrate --steps`` on half of DistServe's whole-step fits (A100, OPT-13B/66B), one fit per TP degree as
+    a user's steps CSV holds one (``--tp``); the held-out predictions of every degree judged together."""
+    lines = ["| steps of | engine | TP | rows | uncalibrated | shipped profile | after --steps on half (held out) | "
+             "decode / prefill held out | token tile by TP |", "|---|---|---|---:|---:|---:|---:|---|---|"]
+    gpu = resolve_gpu(GPUS["a100"])
+    for engine in ("vllm", "distserve"):
+        path = shared / "profiles" / "distserve" / f"profiler-a100-80g.{engine}.json"
+        for steps in cal.load_distserve_steps(path, gpu):
+            tp = 1 + np.asarray(steps.features["params"].allreduce_ring_steps) / 2
+            prefill = np.asarray(steps.features["batch"].prefill_tokens) > 0
+            kinds = np.where(prefill, "prefill-only", "decode-only")
+            held_out, tiles = np.full(len(tp), np.nan), []
+            for degree in np.unique(tp):
+                rows = tp == degree
+                result = calibrate_dataset(steps.subset(rows), kinds[rows], gpu, profiles["a100"], folds=2,
+                                           label=f"{steps.name} TP {degree:.0f}")
+                held_out[rows] = result.held_out_s
+                tiles.append(str(result.report["matmul_token_tile"]))
+            predictions = {"held_out": held_out,
+                           "uncalibrated": np.asarray(cal.predict(steps, Calibration().as_float32(), gpu)),
+                           "initial": np.asarray(cal.predict(steps, profiles["a100"].as_float32(), gpu))}
+            by_kind = {kind: {label: cal.error_summary(steps.measured_s[mask], predicted[mask])
+                              for label, predicted in predictions.items()}
+                       for kind, mask in (("all", kinds == kinds), ("decode-only", ~prefill), ("prefill-only", prefill))}
+            degrees = ", ".join(f"{degree:.0f}" for degree in np.unique(tp))
+            lines.append(f"| {steps.name[5:]} | {engine} | {degrees} | {len(kinds)} | "
+                         f"{_cell(by_kind['all']['uncalibrated'])} | {_cell(by_kind['all']['initial'])} | "
+                         f"**{_cell(by_kind['all']['held_out'])}** | {by_kind['decode-only']['held_out']['mape_pct']:.2f}%"
+                         f" / {by_kind['prefill-only']['held_out']['mape_pct']:.2f}% | {', '.join(tiles)} |")
     return lines
 
 
@@ -127,6 +162,9 @@ def main(argv=None) -> int:
     print("\n".join(cross_gpu(vidur, profiles, models)))
     print("\n### calibrate --steps on half of each model's steps, judged on the other half (2-fold by shape)\n")
     print("\n".join(steps_on_half(vidur, profiles, models)))
+    print("\n### calibrate --steps on half of DistServe's whole-step fits (A100; one fit per TP, 2-fold by token "
+          "count)\n")
+    print("\n".join(distserve_on_half(args.shared, profiles)))
     return 0
 
 

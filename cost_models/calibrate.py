@@ -36,7 +36,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -62,6 +62,10 @@ VIDUR_HOST_COLUMNS = {"schedule": "schedule", "prepare_inputs": "prepare_inputs_
 MODEL_INDEPENDENT_HOST_PHASES = ("schedule", "prepare_inputs", "process_outputs")
 EFFICIENCIES = ("matmul_compute_efficiency", "matmul_memory_efficiency", "elementwise_memory_efficiency",
                 "attention_compute_efficiency", "attention_memory_efficiency", "allreduce_efficiency")
+
+
+# Calibration fields no gradient can move (a whole number of tokens): kept by ``fit``, chosen by search.
+NOT_BY_GRADIENT = ("matmul_token_tile",)
 
 
 def is_fraction(name: str) -> bool:
@@ -328,8 +332,8 @@ def fit(datasets: list[Dataset], gpu: GpuSpec, initial: Calibration = Calibratio
         names: Optional[tuple[str, ...]] = None) -> Calibration:
     """The calibration minimising the mean (over data sets) of each set's mean squared log error.
 
-    Only ``names`` (default: every field) are fitted; the others keep ``initial``'s values. A parameter no data
-    set depends on keeps its initial value (its gradient is zero throughout).
+    Only ``names`` (default: every field but ``NOT_BY_GRADIENT``) are fitted; the others keep ``initial``'s
+    values. A parameter no data set depends on keeps its initial value (its gradient is zero throughout).
     """
     return fit_with_status(datasets, gpu, initial, names)[0]
 
@@ -345,35 +349,43 @@ class FitStatus:
 def fit_with_status(datasets: list[Dataset], gpu: GpuSpec, initial: Calibration = Calibration(),
                     names: Optional[tuple[str, ...]] = None) -> tuple[Calibration, FitStatus]:
     """``fit``, and whether L-BFGS converged (with its message, iterations and final loss)."""
+    return fit_from_starts(datasets, gpu, [initial], names)[0]
+
+
+def fit_from_starts(datasets: list[Dataset], gpu: GpuSpec, starts: Sequence[Calibration],
+                    names: Optional[tuple[str, ...]] = None) -> list[tuple[Calibration, FitStatus]]:
+    """``fit_with_status`` from each of ``starts`` (which may differ in fields no gradient moves, such as the
+    token tile), on one compiled loss."""
     all_names = tuple(f.name for f in dataclasses.fields(Calibration))
-    names = all_names if names is None else tuple(names)
+    names = tuple(name for name in all_names if name not in NOT_BY_GRADIENT) if names is None else tuple(names)
     usable = [d.subset(d.measured_s > 0) for d in datasets if np.any(d.measured_s > 0)]
     if not usable:
         raise UserError("no measured times to calibrate on")
+    results = []
     with jax.enable_x64(True):
-        base = Calibration(**{name: jnp.float64(float(getattr(initial, name))) for name in all_names})
-
-        def loss(theta):
+        def loss(theta, base):
             calibration = to_calibration(theta, names, base)
             errors = [d.weight * jnp.mean((jnp.log(predict(d, calibration, gpu)) - jnp.log(d.measured_s)) ** 2)
                       for d in usable]
             return sum(errors) / sum(d.weight for d in usable)
 
         value_and_grad = jax.jit(jax.value_and_grad(loss))
+        for initial in starts:
+            base = Calibration(**{name: jnp.float64(float(getattr(initial, name))) for name in all_names})
 
-        def objective(theta):
-            value, grad = value_and_grad(jnp.asarray(theta))
-            return float(value), np.asarray(grad, dtype=np.float64)
+            def objective(theta):
+                value, grad = value_and_grad(jnp.asarray(theta), base)
+                return float(value), np.asarray(grad, dtype=np.float64)
 
-        result = scipy.optimize.minimize(objective, from_calibration(initial, names), jac=True, method="L-BFGS-B",
-                                         options={"maxiter": 2000})
-        fitted = to_calibration(jnp.asarray(result.x), names, base)
-        calibration = Calibration.from_dict({name: float(getattr(fitted, name)) for name in all_names})
-    finite = bool(np.isfinite(result.fun)) and bool(np.all(np.isfinite(result.x)))
-    message = result.message if isinstance(result.message, str) else str(result.message)
-    status = FitStatus(converged=bool(result.success) and finite, message=message, iterations=int(result.nit),
-                       loss=float(result.fun))
-    return calibration, status
+            result = scipy.optimize.minimize(objective, from_calibration(initial, names), jac=True,
+                                             method="L-BFGS-B", options={"maxiter": 2000})
+            fitted = to_calibration(jnp.asarray(result.x), names, base)
+            calibration = Calibration.from_dict({name: float(getattr(fitted, name)) for name in all_names})
+            finite = bool(np.isfinite(result.fun)) and bool(np.all(np.isfinite(result.x)))
+            message = result.message if isinstance(result.message, str) else str(result.message)
+            results.append((calibration, FitStatus(converged=bool(result.success) and finite, message=message,
+                                                   iterations=int(result.nit), loss=float(result.fun))))
+    return results
 
 
 # ---------------------------------------------------------------------------------------------- accuracy

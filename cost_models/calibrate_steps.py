@@ -20,8 +20,10 @@ parameter is fitted when it moves the step times at all and is not (almost) a co
 chosen. Every per-step constant (kernel launches, attention setup, host time per step) moves every step by
 the same seconds, so only their sum is identifiable: it is fitted as ``per_step_overhead_s``, the others keep
 their starting values. The host time's split between its phases (the ``host_*_share`` fields) never changes a
-step's total, so it is never fitted here. The rest come from the starting calibration: the shipped profile of the GPU if there is
-one, else the datasheet defaults (or ``--initial``).
+step's total, so it is never fitted here. The matmul token tile (``Calibration.matmul_token_tile``: the staircase
+cuBLAS's GEMM tiles put into step times) has no gradient, so the fit is run at each of ``TOKEN_TILES`` and the
+best kept. The rest come from the starting calibration: the shipped profile of the GPU if there is one, else
+the datasheet defaults (or ``--initial``).
 
 Accuracy is reported per batch kind (prefill-only, decode-only, mixed) for the fit on every row (in-sample), for
 k-fold held-out predictions (every row of one step shape, its prefill tokens and decode count, held out
@@ -34,13 +36,13 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from servetune.cost_models.calibrate import (Dataset, FitStatus, error_summary, fit_with_status, fold_of,
+from servetune.cost_models.calibrate import (Dataset, FitStatus, error_summary, fit_from_starts, fold_of,
                                              from_calibration, predict, to_calibration)
 from servetune.cost_models.gpus import GpuSpec
 from servetune.cost_models.models import ModelSpec
@@ -69,6 +71,10 @@ PREFERENCE = ("per_step_overhead_s", "matmul_memory_efficiency", "matmul_compute
 # movement is not already a combination of the chosen parameters' movements.
 MIN_SENSITIVITY = 1e-3
 MIN_INDEPENDENCE = 0.05
+# The GEMM row tiles tried for ``Calibration.matmul_token_tile`` (1: no tile quantisation); CUTLASS's and
+# cuBLAS's threadblock tiles are 16-256 rows. Each is fitted and the one with the lowest MAPE on the fitted rows
+# kept (``fit_token_tile``), so a held-out fold chooses its own from its training rows.
+TOKEN_TILES = (1, 16, 32, 64, 128, 256)
 
 
 @dataclass
@@ -277,44 +283,77 @@ def _by_kind(measured_s: np.ndarray, kinds: np.ndarray, predictions: dict[str, n
 def calibrate_steps(rows: StepRows, model: ModelSpec, gpu: GpuSpec, tp: int, initial: Calibration,
                     names: Optional[list[str]] = None, folds: int = 5, seed: int = 0, gpu_time_only: bool = False,
                     progress: Callable[[str], None] = lambda message: None, async_scheduling: bool = False,
-                    cudagraph_capture_size: Optional[int] = None) -> StepsCalibration:
-    """Fit ``names`` (default: the identifiable parameters) to the rows, starting from ``initial``; report the
-    in-sample and k-fold held-out errors per batch kind next to the uncalibrated roofline's and ``initial``'s."""
+                    cudagraph_capture_size: Optional[int] = None,
+                    token_tiles: Sequence[int] = TOKEN_TILES) -> StepsCalibration:
+    """Fit ``names`` (default: the identifiable parameters) to the rows, starting from ``initial``, with the
+    matmul token tile of ``token_tiles`` that fits best; report the in-sample and k-fold held-out errors per
+    batch kind next to the uncalibrated roofline's and ``initial``'s."""
     dataset = steps_dataset(rows, model, gpu, tp, gpu_time_only, async_scheduling, cudagraph_capture_size)
-    return calibrate_dataset(dataset, rows.kind, gpu, initial, names, folds, seed, str(rows.path), progress)
+    return calibrate_dataset(dataset, rows.kind, gpu, initial, names, folds, seed, str(rows.path), progress,
+                             token_tiles)
+
+
+def fit_token_tile(dataset: Dataset, gpu: GpuSpec, initial: Calibration,
+                   names_by_tile: dict[int, Sequence[str]]) -> tuple[Calibration, FitStatus, dict[int, float]]:
+    """The fit at each token tile (of that tile's parameter names), and the best: the lowest MAPE on the fitted
+    rows among the converged fits (among all when none converged), the smaller tile on a tie; also every tile's
+    MAPE. MAPE, not the fit's squared log loss, picks the tile because MAPE is the accuracy reported: the two
+    can rank a coarse staircase and a fine one differently."""
+    fits = {}
+    for names in dict.fromkeys(tuple(names) for names in names_by_tile.values()):   # one compiled loss each
+        tiles = [tile for tile, tile_names in names_by_tile.items() if tuple(tile_names) == names]
+        starts = [dataclasses.replace(initial, matmul_token_tile=jnp.float32(tile)) for tile in tiles]
+        fits.update(zip(tiles, fit_from_starts([dataset], gpu, starts, names)))
+    mape = {tile: error_summary(dataset.measured_s, np.asarray(predict(dataset, calibration, gpu)))["mape_pct"]
+            if np.isfinite(status.loss) else math.nan for tile, (calibration, status) in fits.items()}
+    candidates = [tile for tile in names_by_tile if fits[tile][1].converged] or list(names_by_tile)
+    best = min(candidates, key=lambda tile: (math.inf if math.isnan(mape[tile]) else mape[tile], tile))
+    return (*fits[best], {tile: mape[tile] for tile in names_by_tile})
 
 
 def calibrate_dataset(dataset: Dataset, kinds: np.ndarray, gpu: GpuSpec, initial: Calibration,
                       names: Optional[list[str]] = None, folds: int = 5, seed: int = 0, label: str = "steps",
-                      progress: Callable[[str], None] = lambda message: None) -> StepsCalibration:
+                      progress: Callable[[str], None] = lambda message: None,
+                      token_tiles: Sequence[int] = TOKEN_TILES) -> StepsCalibration:
     """``calibrate_steps`` on a data set of whole steps (any step kind ``predict`` knows), each row's batch kind
-    given by ``kinds``; ``label`` starts the error messages."""
-    identifiable, left_out = identifiable_parameters(dataset, gpu, initial)
-    if names is None:
-        names = identifiable
-    else:
-        left_out = {name: "not asked for (--fit)" for name in PREFERENCE if name not in names}
-    if not names:
+    given by ``kinds``; ``label`` starts the error messages. The parameters fitted at each token tile are
+    ``names``, or those the rows identify at that tile (the step shapes decide, not the measured times)."""
+    plans = {}
+    for tile in token_tiles:
+        at_tile = dataclasses.replace(initial, matmul_token_tile=jnp.float32(tile))
+        identifiable, left_out = identifiable_parameters(dataset, gpu, at_tile)
+        if names is not None:
+            identifiable = list(names)
+            left_out = {name: "not asked for (--fit)" for name in PREFERENCE if name not in names}
+        plans[tile] = (identifiable, left_out)
+    largest = max((fitted for fitted, _ in plans.values()), key=len)
+    if not largest:
         raise UserError(f"{label}: these steps move none of the roofline's parameters; nothing to fit")
     rows = len(dataset.measured_s)
-    needed = ROWS_PER_PARAMETER * len(names)
+    needed = ROWS_PER_PARAMETER * len(largest)
     if rows < needed:
-        raise UserError(f"{label}: {rows} rows, expected at least {needed} to fit {len(names)} parameters "
-                        f"({ROWS_PER_PARAMETER} a parameter: {', '.join(names)})")
+        raise UserError(f"{label}: {rows} rows, expected at least {needed} to fit {len(largest)} parameters "
+                        f"({ROWS_PER_PARAMETER} a parameter: {', '.join(largest)})")
     shapes = len(np.unique(dataset.fold_key))
     if shapes < 2:
         raise UserError(f"{label}: every row has the same prefill_tokens and decode_requests, expected at least "
                         f"2 step shapes (a held-out error needs a shape the fit did not see)")
     folds = min(folds, shapes)
-    progress(f"fitting {len(names)} parameters ({', '.join(names)}) on {rows} steps")
-    calibration, status = fit_with_status([dataset], gpu, initial, tuple(names))
+    names_by_tile = {tile: fitted for tile, (fitted, _) in plans.items() if fitted}
+    progress(f"fitting up to {len(largest)} parameters ({', '.join(largest)}) on {rows} steps at matmul token "
+             f"tile {', '.join(str(tile) for tile in names_by_tile)}")
+    calibration, status, tile_mape = fit_token_tile(dataset, gpu, initial, names_by_tile)
     converged = status.converged
+    tile = int(calibration.matmul_token_tile)
+    names, left_out = plans[tile]
     progress(f"{folds}-fold cross-validation by step shape")
     assignment = fold_of([dataset], folds, seed)[0]
     held_out = np.full(rows, np.nan)
+    fold_tiles = []
     for k in range(folds):
         training = dataset.subset(assignment != k)
-        fold_calibration, fold_status = fit_with_status([training], gpu, initial, tuple(names))
+        fold_calibration, fold_status, _ = fit_token_tile(training, gpu, initial, names_by_tile)
+        fold_tiles.append(int(fold_calibration.matmul_token_tile))
         converged = converged and fold_status.converged
         held = assignment == k
         held_out[held] = np.asarray(predict(dataset.subset(held), fold_calibration, gpu))
@@ -323,6 +362,9 @@ def calibrate_dataset(dataset: Dataset, kinds: np.ndarray, gpu: GpuSpec, initial
                    "initial": np.asarray(predict(dataset, initial.as_float32(), gpu))}
     report = {"folds": folds, "fold_by": "step shape (prefill_tokens, decode_requests)",
               "fitted": list(names), "left_out": left_out, "converged": converged,
+              "matmul_token_tile": int(calibration.matmul_token_tile),
+              "token_tile_fit_mape_pct": {str(tile): mape for tile, mape in tile_mape.items()},
+              "fold_token_tiles": fold_tiles,
               "optimizer": {"message": status.message, "iterations": status.iterations, "loss": status.loss},
               "batch_kinds": _by_kind(dataset.measured_s, kinds, predictions)}
     return StepsCalibration(calibration=calibration, fitted=list(names), left_out=left_out, status=status,

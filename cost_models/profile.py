@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from servetune.cost_models.roofline import Calibration
+from servetune.cost_models.roofline import MAX_TOKEN_TILE, Calibration
 from servetune.errors import InvalidValue, UserError, parse_json, reading_user_file, show_json
 
 PROFILE_FORMAT = 1
@@ -88,7 +88,13 @@ _SHARPNESS = ("a number in [1, 100]", lambda value: 1 <= value <= 100)
 _SECONDS = ("seconds in (0, 1]", lambda value: 0 < value <= 1)
 
 
+_TOKEN_TILE = (f"a whole number of tokens from 1 to {MAX_TOKEN_TILE}",
+               lambda value: 1 <= value <= MAX_TOKEN_TILE and value == int(value))
+
+
 def _value_rule(name: str) -> tuple[str, Callable[[float], bool]]:
+    if name == "matmul_token_tile":
+        return _TOKEN_TILE
     if name.endswith("_efficiency"):
         return _EFFICIENCY
     if name.endswith("_share"):

@@ -48,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+import jax
 import jax.numpy as jnp
 
 from servetune.cost_models.gpus import GpuSpec
@@ -72,6 +73,8 @@ KERNELS_PER_STEP = 2
 # topk_softmax, moe_align_block_size, moe_sum); a shared expert adds its two matmuls and activation.
 MOE_EXTRA_KERNELS = 4
 SHARED_EXPERT_KERNELS = 3
+# The largest matmul token tile a profile may hold: far above any GEMM tile, so only a mistake is refused.
+MAX_TOKEN_TILE = 4096
 # Guards a division when both sides of a roofline are zero (an absent phase), and keeps the derivative of
 # 0^p with respect to p (0 · log 0) finite when calibrating; far below anything a kernel takes.
 _TINY = 1e-30
@@ -122,6 +125,12 @@ class Calibration:
     # Host time to launch one kernel, paid by steps run eagerly (more tokens than vLLM captures CUDA graphs
     # for). A-priori, not measured by any file here: cudaLaunchKernel plus PyTorch's dispatch is a few µs.
     eager_launch_overhead_s: jnp.ndarray = 3e-6
+    # Tokens per row tile of the layers' GEMMs: cuBLAS computes a matmul in output tiles, so a step of T tokens
+    # does the math of ceil(T / tile) full tiles ("tile quantization", NVIDIA's Matrix Multiplication
+    # Background guide), and a step's time jumps where T crosses a multiple of the tile. 1 (the default, and the
+    # shipped profiles') is the smooth roofline. A whole number: ``calibrate --steps`` chooses it by fit from
+    # ``calibrate_steps.TOKEN_TILES``, since no gradient can move it.
+    matmul_token_tile: jnp.ndarray = 1.0
 
     @classmethod
     def from_dict(cls, values: dict) -> "Calibration":
@@ -393,7 +402,8 @@ def step_costs(params: RooflineParams, batch: StepBatch) -> StepCosts:
     routed_weight_bytes = params.moe_layers * params.expert_weight_bytes * jnp.minimum(
         load * experts_touched(params.expert_miss_probability, tokens), 1.0)
     routed_flops = params.moe_layers * params.routed_flops_per_token * tokens * load
-    layer_flops = layers * params.layer_matmul_flops_per_token * tokens
+    tile = jax.lax.stop_gradient(c.matmul_token_tile)
+    layer_flops = layers * params.layer_matmul_flops_per_token * jnp.ceil(tokens / tile) * tile
     matmul_flops = layer_flops + params.lm_head_flops_per_seq * seqs + routed_flops
     weight_bytes = layers * params.layer_weight_bytes + params.lm_head_weight_bytes + routed_weight_bytes
     matmul_io = (layers * params.layer_matmul_io_bytes_per_token * tokens + params.lm_head_io_bytes_per_seq * seqs

@@ -94,6 +94,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     fit.add_argument("--tp", type=int, default=1, help="with --steps: tensor-parallel GPUs (default 1)")
     fit.add_argument("--fit", metavar="NAMES",
                      help="with --steps: comma-separated parameters to fit (default: those the steps identify)")
+    fit.add_argument("--token-tile", type=int, metavar="TOKENS",
+                     help="with --steps: fix the matmul token tile, the rows of a GEMM tile (default: the "
+                          "best fit of 1, 16, 32, 64, 128 and 256)")
     fit.add_argument("--gpu-time-only", action="store_true",
                      help="with --steps: the times are GPU kernel time (a profiler's sum), without host time")
     fit.add_argument("--async-scheduling", action="store_true",
@@ -446,7 +449,8 @@ def _optional(path):
 def _run_calibrate_steps(args: argparse.Namespace) -> int:
     """``calibrate --steps``: fit the parameters measured steps identify; refuse to write a fit that did not
     converge or predicts held-out steps worse than the uncalibrated roofline, unless ``--force``."""
-    from servetune.cost_models.calibrate_steps import PREFERENCE, calibrate_steps, read_steps_csv
+    from servetune.cost_models.calibrate_steps import PREFERENCE, TOKEN_TILES, calibrate_steps, read_steps_csv
+    from servetune.cost_models.roofline import MAX_TOKEN_TILE
     from servetune.cost_models.models import heads_per_gpu
     from servetune.cost_models.profile import write_profile
 
@@ -464,6 +468,11 @@ def _run_calibrate_steps(args: argparse.Namespace) -> int:
         if unknown or not names:
             raise InvalidValue("--fit", args.fit, f"comma-separated names from {', '.join(PREFERENCE)}")
         names = list(dict.fromkeys(names))
+    token_tiles = TOKEN_TILES
+    if args.token_tile is not None:
+        if not 1 <= args.token_tile <= MAX_TOKEN_TILE:
+            raise InvalidValue("--token-tile", args.token_tile, f"a whole number of tokens from 1 to {MAX_TOKEN_TILE}")
+        token_tiles = (args.token_tile,)
     check_output_file(args.out, "--out")
     model, gpu = resolve_model(args.model), _resolve_gpu_flag(args.gpu)
     heads_per_gpu(model, args.tp)   # a TP degree that does not divide the heads is refused here, named --tp
@@ -473,7 +482,7 @@ def _run_calibrate_steps(args: argparse.Namespace) -> int:
     console.print(f"{len(rows)} steps of {model.name} on {gpu.name} × {args.tp}; starting from {initial_source}")
     result = calibrate_steps(rows, model, gpu, args.tp, initial, names, folds=args.folds, seed=args.seed,
                              gpu_time_only=args.gpu_time_only, progress=console.print,
-                             async_scheduling=args.async_scheduling)
+                             async_scheduling=args.async_scheduling, token_tiles=token_tiles)
     kinds = result.report["batch_kinds"]
     held_out, uncalibrated = kinds["all"]["held_out"]["mape_pct"], kinds["all"]["uncalibrated"]["mape_pct"]
     problems = []
@@ -516,6 +525,10 @@ def _print_steps_report(args: argparse.Namespace, result, initial_source: str, w
     console.print(table)
     values = result.calibration.as_floats()
     console.print("fitted: " + ", ".join(f"{name} {values[name]:.4g}" for name in result.fitted))
+    by_tile = report["token_tile_fit_mape_pct"]
+    if len(by_tile) > 1:
+        console.print(f"matmul token tile {report['matmul_token_tile']} (fit MAPE % by tile: "
+                      + ", ".join(f"{tile} {mape:.2f}" for tile, mape in by_tile.items()) + ")")
     reasons: dict[str, list[str]] = {}
     for name, why in result.left_out.items():
         reasons.setdefault(why, []).append(name)

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -15,9 +17,10 @@ from servetune.cost_models.catalog import resolve_gpu, resolve_model
 from servetune.cost_cli import register
 from servetune.cost_models.factory import build_cost_model
 from servetune.cost_models.profile import load_profile, shipped_profile_for, shipped_profile_gpus
-from servetune.cost_models.roofline import Calibration
+from servetune.cost_models.roofline import Calibration, build_roofline_params, step_costs
 from servetune.errors import UserError
 from servetune.paths import shared_data_dir
+from servetune.types import StepBatch
 
 A100 = resolve_gpu("a100-80gb")
 LLAMA_7B = resolve_model("llama-2-7b")
@@ -117,11 +120,11 @@ def test_a_fit_that_does_not_converge_writes_nothing(tmp_path, monkeypatch):
     rows = random_steps(30, seed=5)
     steps = write_csv(tmp_path / "steps.csv", rows, true_times(rows, TRUE, tp=1))
 
-    def failing(datasets, gpu, initial, names):
-        return initial, cal.FitStatus(converged=False, message="ABNORMAL_TERMINATION_IN_LNSRCH", iterations=3,
-                                      loss=float("nan"))
+    def failing(datasets, gpu, starts, names):
+        return [(start, cal.FitStatus(converged=False, message="ABNORMAL_TERMINATION_IN_LNSRCH", iterations=3,
+                                      loss=float("nan"))) for start in starts]
 
-    monkeypatch.setattr(cs, "fit_with_status", failing)
+    monkeypatch.setattr(cs, "fit_from_starts", failing)
     out = tmp_path / "p.json"
     with pytest.raises(UserError, match=r"the fit did not converge \(ABNORMAL_TERMINATION_IN_LNSRCH\).*wrote nothing"):
         run_cli("--steps", str(steps), "--model", "llama-2-7b", "--folds", "2", "--out", str(out))
@@ -192,6 +195,51 @@ def test_decode_only_steps_fit_only_what_decodes_identify():
     assert "per_step_overhead_s" in fitted and "matmul_memory_efficiency" in fitted
     # a decode never reaches the compute roof; the prefill attention kernel does not run
     assert "matmul_compute_efficiency" in left_out or "attention_compute_efficiency" in left_out
+
+
+def test_the_token_tile_prices_a_step_as_whole_tiles_of_matmul_flops():
+    """Hand count: at tile 128 a decode batch of T tokens does the layers' matmul FLOPs of 128 * ceil(T / 128)
+    tokens (the LM head stays per sequence); at tile 1 exactly T, as before the tile existed."""
+    params = build_roofline_params(LLAMA_7B, A100, 1)
+    tokens = jnp.array([1.0, 100.0, 128.0, 129.0, 256.0, 300.0])
+    batch = StepBatch(num_prefill_seqs=0 * tokens, prefill_tokens=0 * tokens, prefill_context_tokens=0 * tokens,
+                      prefill_attention_pairs=0 * tokens, num_decode_seqs=tokens, decode_context_tokens=64 * tokens)
+    per_token = float(params.num_layers * params.layer_matmul_flops_per_token)
+    lm_head = float(params.lm_head_flops_per_seq) * np.asarray(tokens)
+    smooth = np.asarray(step_costs(params, batch).matmul_flops)
+    np.testing.assert_allclose(smooth, per_token * np.asarray(tokens) + lm_head, rtol=1e-6)
+    tiled = dataclasses.replace(params, calibration=dataclasses.replace(params.calibration,
+                                                                       matmul_token_tile=jnp.float32(128)))
+    padded = np.array([128, 128, 128, 256, 256, 384])
+    np.testing.assert_allclose(np.asarray(step_costs(tiled, batch).matmul_flops), per_token * padded + lm_head,
+                               rtol=1e-6)
+
+
+def test_a_hidden_token_tile_is_found_and_its_staircase_fitted():
+    rows = random_steps(150, seed=7)
+    truth = true_times(rows, dataclasses.replace(TRUE, matmul_token_tile=jnp.float32(64)), tp=1)
+    rows.step_time_s = truth
+    result = cs.calibrate_steps(rows, LLAMA_7B, A100, 1, Calibration(), folds=3)
+    assert result.report["matmul_token_tile"] == 64 and result.report["fold_token_tiles"] == [64, 64, 64]
+    assert result.report["batch_kinds"]["all"]["held_out"]["mape_pct"] < 1.0
+    # the smooth roofline cannot follow the staircase as well
+    by_tile = result.report["token_tile_fit_mape_pct"]
+    assert min(by_tile, key=by_tile.get) == "64" and 5 * by_tile["64"] < by_tile["1"], by_tile
+    fixed = cs.calibrate_steps(rows, LLAMA_7B, A100, 1, Calibration(), folds=3, token_tiles=(1,))
+    assert fixed.report["matmul_token_tile"] == 1 and list(fixed.report["token_tile_fit_mape_pct"]) == ["1"]
+
+
+def test_a_token_tile_that_is_not_a_whole_number_of_tokens_is_refused(tmp_path):
+    profile = json.loads(shipped_profile_for("a100-80gb").read_text())
+    profile["calibration"]["matmul_token_tile"] = 0.5
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(profile))
+    with pytest.raises(UserError, match=r"p.json: calibration.matmul_token_tile: got 0.5, expected a whole number "
+                                        r"of tokens from 1 to 4096"):
+        load_profile(path)
+    steps = write_csv(tmp_path / "steps.csv", random_steps(30, seed=8), np.full(30, 0.05))
+    with pytest.raises(UserError, match=r"--token-tile: got 0, expected a whole number of tokens from 1 to 4096"):
+        run_cli("--steps", str(steps), "--model", "llama-2-7b", "--token-tile", "0", "--out", str(tmp_path / "o.json"))
 
 
 # --------------------------------------------------------------------------- profiles for more than one GPU
