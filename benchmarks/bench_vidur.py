@@ -157,11 +157,18 @@ def price_batches(path: Path) -> str:
         rows = list(csv.DictReader(f))
     col = {k: np.array([float(r[k]) for r in rows]) for k in rows[0]}
     calibration, _ = load_profile(PROFILE)
+    if "prefill_causal_pairs" not in col:
+        # a log from before run_vidur.py wrote the column: harmless while every pair is priced alike
+        if float(calibration.attention_causal_pair_ratio) != 1.0:
+            raise SystemExit(f"{path}: no prefill_causal_pairs column, which {PROFILE.name}'s "
+                             f"attention_causal_pair_ratio {float(calibration.attention_causal_pair_ratio):g} needs: "
+                             f"rerun results/experiments/vidur/run_vidur.py")
+        col["prefill_causal_pairs"] = np.zeros(len(rows))
     model = resolve_model("codellama-34b", None, None, "auto")
     params = roofline.build_roofline_params(model, resolve_gpu("a100-80gb"), 2, calibration)
     batch = StepBatch(*(jnp.asarray(col[k], jnp.float32) for k in (
         "num_prefill_seqs", "prefill_tokens", "prefill_context_tokens", "prefill_attention_pairs",
-        "num_decode_seqs", "decode_context_tokens")))
+        "prefill_causal_pairs", "num_decode_seqs", "decode_context_tokens")))
     costs = roofline.step_costs(params, batch)
     layers = model.num_layers
     ours = {"gpu": np.asarray(costs.gpu_s), "attention decode": np.asarray(costs.attention_decode_s),

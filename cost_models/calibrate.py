@@ -183,7 +183,9 @@ def load_vidur_attention(path: Path) -> tuple[list[Dataset], dict]:
     prefill_pairs = chunk * (cached + chunk / 2)
     pairs = np.where(is_prefill, prefill_pairs, decode_tokens)
     attended = np.where(is_prefill, cached + chunk, decode_tokens)
-    features = {"flops": flops_per_pair * pairs, "bytes": kv_bytes_per_token * attended}
+    causal_pairs = np.where(is_prefill, chunk * chunk / 2, 0.0)
+    features = {"flops": flops_per_pair * pairs, "causal_flops": flops_per_pair * causal_pairs,
+                "bytes": kv_bytes_per_token * attended}
     key = np.where(is_prefill, chunk, batch).astype(int)
     full = Dataset(name="attention", kind="attention", measured_s=measured_s, fold_key=key, features=features)
     datasets = [dataclasses.replace(full.subset(~is_prefill), name="attention.decode"),
@@ -248,7 +250,8 @@ def load_distserve_steps(path: Path, gpu: GpuSpec) -> list[Dataset]:
                         continue
                     total = count * length
                     measured.append((a + b * total + c * count * length**2) * MS)
-                    batches.append(StepBatch(count, total, total, count * length * length / 2, 0, 0))
+                    causal = count * length * length / 2   # every pair of a whole prompt is causal
+                    batches.append(StepBatch(count, total, total, causal, causal, 0, 0))
                     params.append(geometry)
                     keys.append(total)
             for size in DISTSERVE_DECODE_BATCHES:
@@ -256,7 +259,7 @@ def load_distserve_steps(path: Path, gpu: GpuSpec) -> list[Dataset]:
                 a, b, c = fit[which]
                 for context in DISTSERVE_DECODE_CONTEXTS:
                     measured.append((a + b * size * context + c * size) * MS)
-                    batches.append(StepBatch(0, 0, 0, 0, size, size * context))
+                    batches.append(StepBatch(0, 0, 0, 0, 0, size, size * context))
                     params.append(geometry)
                     keys.append(size)
         geometry = _stack(params)
@@ -275,8 +278,9 @@ def predict(dataset: Dataset, calibration: Calibration, gpu: GpuSpec) -> jnp.nda
     if dataset.kind == "matmul":
         return c.kernel_overhead_s + kernel_time_s(f["flops"], f["bytes"], peak, bandwidth, c.matmul_compute_efficiency,
                                                    c.matmul_memory_efficiency, c.roofline_sharpness)
-    if dataset.kind == "attention":
-        return c.attention_overhead_s + kernel_time_s(f["flops"], f["bytes"], peak, bandwidth,
+    if dataset.kind == "attention":   # as roofline.step_costs weighs the causal block's pairs
+        flops = f["flops"] + (c.attention_causal_pair_ratio - 1.0) * f["causal_flops"]
+        return c.attention_overhead_s + kernel_time_s(flops, f["bytes"], peak, bandwidth,
                                                       c.attention_compute_efficiency, c.attention_memory_efficiency,
                                                    c.roofline_sharpness)
     if dataset.kind == "elementwise":
@@ -469,6 +473,7 @@ def assemble_vidur_steps(operator_raw: dict, attention_raw: dict, num_layers: in
     steps = StepBatch(num_prefill_seqs=prefill, prefill_tokens=prefill * chunk,
                       prefill_context_tokens=prefill * (cached + chunk),
                       prefill_attention_pairs=prefill * chunk * (cached + chunk / 2),
+                      prefill_causal_pairs=prefill * chunk * chunk / 2,
                       num_decode_seqs=(1 - prefill) * batch, decode_context_tokens=(1 - prefill) * batch * (cached + 1))
     measured = num_layers * (o["layer_ms"] * MS + a["measured_s"]) + o["embedding_ms"] * MS
     whole = Dataset(name="step", kind="gpu_step", measured_s=measured, fold_key=step_tokens[attention_row],
@@ -503,7 +508,8 @@ def assemble_layer_steps(operator_raw: dict, num_layers: int, gpu: GpuSpec, tp: 
         link_bytes_per_s=zeros + gpu.interconnect_bytes_per_s / 2, calibration=Calibration())
     tokens = o["tokens"]
     steps = StepBatch(num_prefill_seqs=zeros, prefill_tokens=zeros, prefill_context_tokens=zeros,
-                      prefill_attention_pairs=zeros, num_decode_seqs=tokens, decode_context_tokens=zeros)
+                      prefill_attention_pairs=zeros, prefill_causal_pairs=zeros, num_decode_seqs=tokens,
+                      decode_context_tokens=zeros)
     measured = num_layers * o["layer_ms"] * MS + o["embedding_ms"] * MS
     return [Dataset(name="step.layers", kind="layer_step", measured_s=measured, fold_key=tokens.astype(int),
                     features={"params": params, "batch": steps})]

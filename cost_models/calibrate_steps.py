@@ -63,7 +63,7 @@ PREFERENCE = ("per_step_overhead_s", "matmul_memory_efficiency", "matmul_compute
               "attention_memory_efficiency", "attention_compute_efficiency", "per_request_overhead_s",
               "roofline_sharpness", "elementwise_memory_efficiency", "allreduce_efficiency", "allreduce_latency_s",
               "kernel_overhead_s", "attention_overhead_s", "allreduce_base_latency_s", "host_multi_gpu_overhead_s",
-              "eager_launch_overhead_s")
+              "eager_launch_overhead_s", "attention_causal_pair_ratio")
 # Not considered: the host phases' shares (roofline.HOST_PHASES), which split the host time between phases
 # without changing a step's total, so no step time can tell them apart.
 # A parameter is identifiable when moving its unconstrained value by 1 (an efficiency's logit, a time's log)
@@ -106,6 +106,7 @@ class StepRows:
         q, cached = self.prefill_tokens, self.cached_prefix_tokens
         return StepBatch(num_prefill_seqs=self.prefill_requests, prefill_tokens=q, prefill_context_tokens=cached + q,
                          prefill_attention_pairs=q * (cached + q / 2) / chunks,
+                         prefill_causal_pairs=q * q / 2 / chunks,
                          num_decode_seqs=self.decode_requests, decode_context_tokens=self.context_tokens)
 
     def subset(self, mask: np.ndarray) -> "StepRows":

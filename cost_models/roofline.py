@@ -4,8 +4,10 @@ Each kind of GPU kernel a step runs is its own roofline, ``time = smooth_max(FLO
 bytes / achieved bandwidth)``, and the step is their sum, because the kernels run one after another:
 
 * the matrix multiplies of every layer, over all tokens of the step: 2 · (weights per GPU) FLOPs per token
-  against the weights, read once per step, plus the activations they read and write;
-* prefill attention: 4 · heads · head_dim FLOPs per causal score pair ``Σ q·(c + q/2)`` against the KV bytes
+  against the weights, read once per step, plus the activations they read and write (in whole GEMM tiles of
+  ``matmul_token_tile`` tokens);
+* prefill attention: 4 · heads · head_dim FLOPs per causal score pair, ``Σ q·c`` against the cached prefix plus
+  ``attention_causal_pair_ratio`` times ``Σ q²/2`` inside each chunk's own causal block, against the KV bytes
   of the chunks' contexts; decode attention: the same FLOPs per attended token against every attended KV byte;
 * the element-wise kernels (norms, rotary embedding, activation, residual add): pure memory traffic;
 * the LM head, once per sequence (logits are computed only where a token is sampled).
@@ -131,6 +133,11 @@ class Calibration:
     # shipped profiles') is the smooth roofline. A whole number: ``calibrate --steps`` chooses it by fit from
     # ``calibrate_steps.TOKEN_TILES``, since no gradient can move it.
     matmul_token_tile: jnp.ndarray = 1.0
+    # The FLOPs of one query-key pair inside a prefill chunk's own causal block, as a multiple of one against
+    # its cached prefix: a kernel that masks the block's upper triangle tile by tile, or (Vidur's legacy
+    # prefill kernel) handles the chunk and the prefix in separate passes, does not pay the same per pair.
+    # 1 (the default, and the shipped profiles') prices every pair alike.
+    attention_causal_pair_ratio: jnp.ndarray = 1.0
 
     @classmethod
     def from_dict(cls, values: dict) -> "Calibration":
@@ -418,11 +425,13 @@ def step_costs(params: RooflineParams, batch: StepBatch) -> StepCosts:
     # step's totals (exact when every sequence is on the same side of the window, else an upper bound).
     full_layers = layers - params.local_attention_layers
     local_layers, window = params.local_attention_layers, params.attention_window
-    local_prefill_pairs = jnp.minimum(batch.prefill_attention_pairs, batch.prefill_tokens * window)
+    prefill_pairs = (batch.prefill_attention_pairs
+                     + (c.attention_causal_pair_ratio - 1.0) * batch.prefill_causal_pairs)   # causal-weighted
+    local_prefill_pairs = jnp.minimum(prefill_pairs, batch.prefill_tokens * window)
     local_prefill_context = jnp.minimum(batch.prefill_context_tokens,
                                         batch.num_prefill_seqs * window + batch.prefill_tokens)
     local_decode_context = jnp.minimum(batch.decode_context_tokens, batch.num_decode_seqs * window)
-    prefill_flops = ((full_layers * params.attention_flops_per_pair * batch.prefill_attention_pairs
+    prefill_flops = ((full_layers * params.attention_flops_per_pair * prefill_pairs
                       + local_layers * params.attention_flops_per_pair * local_prefill_pairs)
                      * params.prefill_attention_flops_scale
                      + layers * params.prefix_expand_flops_per_token

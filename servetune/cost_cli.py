@@ -227,7 +227,7 @@ def run_cost(args: argparse.Namespace) -> int:
                                    expert_load_imbalance=args.expert_load_imbalance)
     prefill = args.prefill_tokens
     batch = StepBatch(*(jnp.float32(x) for x in (
-        1 if prefill else 0, prefill, prefill, prefill * prefill / 2,
+        1 if prefill else 0, prefill, prefill, prefill * prefill / 2, prefill * prefill / 2,
         args.decode_batch, args.decode_batch * (args.context + 1))))
     costs = {name: float(value) for name, value in vars(step_costs(params, batch)).items()}
     ms = {"matmul": costs["matmul_s"], "attention_prefill": costs["attention_prefill_s"],

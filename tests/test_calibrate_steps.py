@@ -203,7 +203,8 @@ def test_the_token_tile_prices_a_step_as_whole_tiles_of_matmul_flops():
     params = build_roofline_params(LLAMA_7B, A100, 1)
     tokens = jnp.array([1.0, 100.0, 128.0, 129.0, 256.0, 300.0])
     batch = StepBatch(num_prefill_seqs=0 * tokens, prefill_tokens=0 * tokens, prefill_context_tokens=0 * tokens,
-                      prefill_attention_pairs=0 * tokens, num_decode_seqs=tokens, decode_context_tokens=64 * tokens)
+                      prefill_attention_pairs=0 * tokens, prefill_causal_pairs=0 * tokens, num_decode_seqs=tokens,
+                      decode_context_tokens=64 * tokens)
     per_token = float(params.num_layers * params.layer_matmul_flops_per_token)
     lm_head = float(params.lm_head_flops_per_seq) * np.asarray(tokens)
     smooth = np.asarray(step_costs(params, batch).matmul_flops)
@@ -229,6 +230,21 @@ def test_a_hidden_token_tile_is_found_and_its_staircase_fitted():
     assert fixed.report["matmul_token_tile"] == 1 and list(fixed.report["token_tile_fit_mape_pct"]) == ["1"]
 
 
+def test_a_hidden_causal_pair_ratio_is_recovered_from_prefills_on_cached_prefixes():
+    rows = random_steps(150, seed=9)
+    # away from the start only where steps can tell (TRUE's per-step constants are fitted as one sum)
+    hidden = Calibration(attention_causal_pair_ratio=2.5, attention_compute_efficiency=0.33)
+    rows.step_time_s = true_times(rows, hidden, tp=1)
+    result = cs.calibrate_steps(rows, LLAMA_7B, A100, 1, Calibration(), folds=3, token_tiles=(1,))
+    assert result.converged and "attention_causal_pair_ratio" in result.fitted
+    assert float(result.calibration.attention_causal_pair_ratio) == pytest.approx(2.5, rel=0.01)
+    assert result.report["batch_kinds"]["all"]["held_out"]["mape_pct"] < 1.0
+    # without a cached prefix every pair is causal: the ratio moves prefills only as the compute efficiency does
+    no_prefix = dataclasses.replace(rows, cached_prefix_tokens=0 * rows.cached_prefix_tokens)
+    _, left_out = cs.identifiable_parameters(cs.steps_dataset(no_prefix, LLAMA_7B, A100, 1), A100, Calibration())
+    assert left_out["attention_causal_pair_ratio"] == "moves these steps' times only as the fitted ones do"
+
+
 def test_a_token_tile_that_is_not_a_whole_number_of_tokens_is_refused(tmp_path):
     profile = json.loads(shipped_profile_for("a100-80gb").read_text())
     profile["calibration"]["matmul_token_tile"] = 0.5
@@ -236,6 +252,11 @@ def test_a_token_tile_that_is_not_a_whole_number_of_tokens_is_refused(tmp_path):
     path.write_text(json.dumps(profile))
     with pytest.raises(UserError, match=r"p.json: calibration.matmul_token_tile: got 0.5, expected a whole number "
                                         r"of tokens from 1 to 4096"):
+        load_profile(path)
+    profile["calibration"].update(matmul_token_tile=1.0, attention_causal_pair_ratio=0.0)
+    path.write_text(json.dumps(profile))
+    with pytest.raises(UserError, match=r"p.json: calibration.attention_causal_pair_ratio: got 0.0, expected a "
+                                        r"ratio in \(0, 100\]"):
         load_profile(path)
     steps = write_csv(tmp_path / "steps.csv", random_steps(30, seed=8), np.full(30, 0.05))
     with pytest.raises(UserError, match=r"--token-tile: got 0, expected a whole number of tokens from 1 to 4096"):

@@ -24,7 +24,8 @@ needs_shared_data = pytest.mark.skipif(SHARED is None, reason="../shared/data (V
 TRUE = Calibration(matmul_compute_efficiency=0.62, matmul_memory_efficiency=0.71, elementwise_memory_efficiency=0.45,
                    attention_compute_efficiency=0.33, attention_memory_efficiency=0.77, allreduce_efficiency=0.58,
                    roofline_sharpness=1.8, kernel_overhead_s=3.5e-6, attention_overhead_s=1.4e-5,
-                   per_step_overhead_s=7e-4, per_request_overhead_s=2.5e-5, allreduce_latency_s=6e-6)
+                   per_step_overhead_s=7e-4, per_request_overhead_s=2.5e-5, allreduce_latency_s=6e-6,
+                   attention_causal_pair_ratio=2.2)
 
 
 def synthetic_datasets(truth: Calibration) -> list[cal.Dataset]:
@@ -37,9 +38,10 @@ def synthetic_datasets(truth: Calibration) -> list[cal.Dataset]:
         cal.Dataset("elementwise", "elementwise", np.zeros(len(tokens)), tokens.astype(int),
                     {"bytes": 2 * tokens * 80_000}),
         cal.Dataset("prefill attention", "attention", np.zeros(len(tokens)), tokens.astype(int),
-                    {"flops": 16384 * tokens * (512 + tokens / 2), "bytes": 2048 * (512 + tokens)}),
+                    {"flops": 16384 * tokens * (512 + tokens / 2), "causal_flops": 16384 * tokens * tokens / 2,
+                     "bytes": 2048 * (512 + tokens)}),
         cal.Dataset("decode attention", "attention", np.zeros(len(tokens)), tokens.astype(int),
-                    {"flops": 16384 * tokens * 1025, "bytes": 2048 * tokens * 1025}),
+                    {"flops": 16384 * tokens * 1025, "causal_flops": 0 * tokens, "bytes": 2048 * tokens * 1025}),
         cal.Dataset("allreduce", "allreduce", np.zeros(len(tokens)), tokens.astype(int),
                     {"bytes": 1.5 * tokens * 8192, "ring_steps": np.resize([2.0, 6.0, 14.0], len(tokens))},
                     key_space="bytes"),
@@ -80,8 +82,9 @@ def test_a_step_data_set_fits_whole_steps():
     rows = len(sizes)
     params = dataclasses.replace(geometry, **{f.name: np.full(rows, float(getattr(geometry, f.name)))
                                               for f in dataclasses.fields(geometry) if f.name != "calibration"})
-    decodes = StepBatch(*(np.zeros(rows),) * 4, sizes, sizes * 700)
-    prefills = StepBatch(np.ones(rows), sizes, sizes, sizes * sizes / 2, np.zeros(rows), np.zeros(rows))
+    decodes = StepBatch(*(np.zeros(rows),) * 5, sizes, sizes * 700)
+    prefills = StepBatch(np.ones(rows), sizes, sizes, sizes * sizes / 2, sizes * sizes / 2, np.zeros(rows),
+                         np.zeros(rows))
     datasets = [cal.Dataset(name, "step", np.zeros(rows), sizes.astype(int), {"params": params, "batch": b})
                 for name, b in (("decode", decodes), ("prefill", prefills))]
     datasets = [dataclasses.replace(d, measured_s=np.asarray(cal.predict(d, TRUE, A100), np.float64))
@@ -133,8 +136,9 @@ def test_shipped_profile_reproduces_the_manifest_sanity_figures():
     params = build_roofline_params(resolve_model("llama-2-7b"), A100, 1, calibration)
     params = dataclasses.replace(params, lm_head_weight_bytes=jnp.float32(0), lm_head_flops_per_seq=jnp.float32(0),
                                  lm_head_io_bytes_per_seq=jnp.float32(0))
-    cases = [((0, 0, 0, 0, 1, 1024), 9.9e-3), ((0, 0, 0, 0, 32, 32 * 1024), 19.9e-3),
-             ((1, 512, 512, 512 * 256, 0, 0), 36.7e-3), ((1, 2048, 2048, 2048 * 1024, 0, 0), 158.5e-3)]
+    cases = [((0, 0, 0, 0, 0, 1, 1024), 9.9e-3), ((0, 0, 0, 0, 0, 32, 32 * 1024), 19.9e-3),
+             ((1, 512, 512, 512 * 256, 512 * 256, 0, 0), 36.7e-3),
+             ((1, 2048, 2048, 2048 * 1024, 2048 * 1024, 0, 0), 158.5e-3)]
     for fields, expected in cases:
         step = StepBatch(*(jnp.float32(x) for x in fields))
         gpu_time = float(step_time_s(params, step) - host_overhead_s(calibration, step))

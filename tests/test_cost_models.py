@@ -40,7 +40,7 @@ def batch(prefill_seqs=0, prefill_tokens=0, prefill_cached=0, decodes=0, context
     and ``decodes`` decodes each with ``context`` cached tokens."""
     q = prefill_tokens / max(prefill_seqs, 1)
     values = (prefill_seqs, prefill_tokens, prefill_seqs * (prefill_cached + q),
-              prefill_seqs * q * (prefill_cached + q / 2), decodes, decodes * (context + 1))
+              prefill_seqs * q * (prefill_cached + q / 2), prefill_seqs * q * q / 2, decodes, decodes * (context + 1))
     return StepBatch(*(jnp.float32(v) for v in values))
 
 
@@ -98,6 +98,22 @@ def test_decode_attention_reads_every_cached_kv_byte_with_gqa():
     assert float(costs.kv_bytes) == pytest.approx(4 * 1000 * 131_072, rel=1e-6)
     # its query heads still count: 4 * 32 heads * 128 FLOPs per attended token per layer
     assert float(costs.attention_flops) == pytest.approx(4 * 1000 * 32 * 4 * 32 * 128, rel=1e-6)
+
+
+def test_a_causal_block_pair_costs_the_ratio_times_a_cached_prefix_pair():
+    """Hand count: a chunk of q on c cached does 4 · heads · head_dim FLOPs per layer for each of its q·c prefix
+    pairs and ``attention_causal_pair_ratio`` times that for each of its q²/2 causal pairs."""
+    step = batch(prefill_seqs=1, prefill_tokens=1024, prefill_cached=2048, decodes=3, context=100)
+    per_pair = 32 * 4 * 32 * 128           # Llama-2-7B: 32 layers, 32 heads of 128
+    decode_pairs = 3 * 101
+    for ratio in (1.0, 3.0, 0.5):
+        params = build_roofline_params(LLAMA_7B, A100, 1, Calibration(attention_causal_pair_ratio=ratio))
+        flops = float(step_costs(params, step).attention_flops)
+        assert flops == pytest.approx(per_pair * (1024 * 2048 + ratio * 1024 * 1024 / 2 + decode_pairs), rel=1e-6)
+    # at ratio 1 the causal count is not read at all: the step costs exactly what it did before it existed
+    params = build_roofline_params(LLAMA_7B, A100, 1)
+    moved = dataclasses.replace(step, prefill_causal_pairs=jnp.float32(0.0))
+    assert seconds(params, moved) == seconds(params, step)
 
 
 def test_gated_mlp_has_three_matrices_and_gqa_shrinks_kv_projections():

@@ -44,7 +44,8 @@ def batch(prefill_tokens=0, cached=0, decodes=0, context=0) -> StepBatch:
     ``context`` cached tokens each."""
     prefills = 1 if prefill_tokens else 0
     values = (prefills, prefill_tokens, prefills * (cached + prefill_tokens),
-              prefills * prefill_tokens * (cached + prefill_tokens / 2), decodes, decodes * (context + 1))
+              prefills * prefill_tokens * (cached + prefill_tokens / 2), prefills * prefill_tokens**2 / 2, decodes,
+              decodes * (context + 1))
     return StepBatch(*(jnp.float32(v) for v in values))
 
 
@@ -511,12 +512,13 @@ RECORDED_BLOCKS = [("llama-2-7b", "a100-80gb", 1, 7457), ("llama-3-70b", "h100-8
                    ("mistral-7b", "h100-80gb", 1, 29330), ("qwen2.5-7b", "l4", 1, 7052)]
 
 
-RECORDED_ROWS = [(0, 0, 0, 0, 8, 8 * 1025), (1, 512, 512, 512 * 256, 0, 0), (2, 3000, 5000, 4e6, 64, 64 * 9000),
-                 (0, 0, 0, 0, 256, 256 * 30000), (1, 2048, 100000, 2048 * 99000, 3, 3 * 100)]
+RECORDED_ROWS = [(0, 0, 0, 0, 0, 8, 8 * 1025), (1, 512, 512, 512 * 256, 512 * 256, 0, 0),
+                 (2, 3000, 5000, 4e6, 2 * 1500 * 750, 64, 64 * 9000), (0, 0, 0, 0, 0, 256, 256 * 30000),
+                 (1, 2048, 100000, 2048 * 99000, 2048 * 1024, 3, 3 * 100)]
 
 
 def recorded_step_times(model, gpu, tp, async_scheduling, profile) -> np.ndarray:
-    steps = StepBatch(*(jnp.array([row[i] for row in RECORDED_ROWS], jnp.float32) for i in range(6)))
+    steps = StepBatch(*(jnp.array([row[i] for row in RECORDED_ROWS], jnp.float32) for i in range(7)))
     calibration = load_profile(SHIPPED_PROFILES_DIR / profile)[0] if profile else Calibration()
     params = build_roofline_params(MODELS[model], resolve_gpu(gpu), tp, calibration,
                                    async_scheduling=async_scheduling, cudagraph_capture_size=512)

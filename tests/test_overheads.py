@@ -33,11 +33,11 @@ ALLREDUCE_FIELDS = ("allreduce_base_latency_s", "allreduce_latency_s", "allreduc
 
 
 def decodes(n: int, context: int = 1024) -> StepBatch:
-    return StepBatch(*(jnp.float32(x) for x in (0, 0, 0, 0, n, n * (context + 1))))
+    return StepBatch(*(jnp.float32(x) for x in (0, 0, 0, 0, 0, n, n * (context + 1))))
 
 
 def prefill(tokens: int) -> StepBatch:
-    return StepBatch(*(jnp.float32(x) for x in (1, tokens, tokens, tokens * tokens / 2, 0, 0)))
+    return StepBatch(*(jnp.float32(x) for x in (1, tokens, tokens, tokens * tokens / 2, tokens * tokens / 2, 0, 0)))
 
 
 # --------------------------------------------------------------------------- hand-computed values

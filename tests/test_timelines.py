@@ -681,6 +681,7 @@ def probe_step_time(params, batch):
         + 0.01 * batch.prefill_tokens
         + 0.001 * batch.prefill_context_tokens
         + 0.0001 * batch.prefill_attention_pairs
+        + 0.00001 * batch.prefill_causal_pairs
         + 0.1 * batch.num_decode_seqs
         + 0.001 * batch.decode_context_tokens
     )
@@ -688,15 +689,29 @@ def probe_step_time(params, batch):
 
 def test_step_batch_counts_prefill_chunks_and_decodes(simulator):
     # R0 (0, P=4, O=3) in chunks of 2 (threshold 2); R1 (0, P=1, O=2): one prompt token is a prefill (g=0).
-    # t=0        prefills: R0 n=2 c=0 (pairs 2*(0+1) = 2), R1 n=1 c=0 (pairs 1*(0+0.5) = 0.5)
-    #            seqs 2, tokens 3, context 2+1 = 3, pairs 2.5
-    #            d = 1 + 1.0 + 0.03 + 0.003 + 0.00025 = 2.03325            -> t=2.03325  R1 first token
-    # t=2.03325  prefill R0 n=2 c=2: tokens 2, context 4, pairs 2*(2+1) = 6; decode R1 c=1: context 2
-    #            d = 1 + 0.5 + 0.02 + 0.004 + 0.0006 + 0.1 + 0.002 = 1.6266 -> t=3.65985  R0 first; R1 done
-    # t=3.65985  decode R0 c=4: context 5  d = 1 + 0.1 + 0.005 = 1.105     -> t=4.76485
-    # t=4.76485  decode R0 c=5: context 6  d = 1.106                      -> t=5.87085  R0 done
+    # t=0        prefills: R0 n=2 c=0 (pairs 2*(0+1) = 2, causal 2*2/2 = 2), R1 n=1 c=0 (pairs 1*(0+0.5) = 0.5,
+    #            causal 0.5): seqs 2, tokens 3, context 2+1 = 3, pairs 2.5, causal 2.5
+    #            d = 1 + 1.0 + 0.03 + 0.003 + 0.00025 + 0.000025 = 2.033275   -> t=2.033275  R1 first token
+    # t=2.033275 prefill R0 n=2 c=2: tokens 2, context 4, pairs 2*(2+1) = 6, causal 2; decode R1 c=1: context 2
+    #            d = 1 + 0.5 + 0.02 + 0.004 + 0.0006 + 0.00002 + 0.1 + 0.002 = 1.62662
+    #                                                                    -> t=3.659895  R0 first; R1 done
+    # t=3.659895 decode R0 c=4: context 5  d = 1 + 0.1 + 0.005 = 1.105     -> t=4.764895
+    # t=4.764895 decode R0 c=5: context 6  d = 1.106                      -> t=5.870895  R0 done
     out = simulate(simulator, [(0.0, 4, 3), (0.0, 1, 2)], cost_fn=probe_step_time, long_prefill_token_threshold=2)
-    assert_requests(out, first=[3.65985, 2.03325], finish=[5.87085, 3.65985], status=[COMPLETED] * 2)
+    assert_requests(out, first=[3.659895, 2.033275], finish=[5.870895, 3.659895], status=[COMPLETED] * 2)
+
+
+def test_each_chunk_brings_its_own_causal_block_on_every_step_of_a_run(simulator):
+    # R0 (0, P=12, O=2) in chunks of 4 (threshold 4: two requests in the system); R1 (0, P=2, O=4).
+    # t=0        prefills: R0 n=4 c=0 (pairs 4*(0+2) = 8, causal 8), R1 n=2 c=0 (pairs 2, causal 2)
+    #            d = 1 + 1.0 + 0.06 + 0.006 + 0.001 + 0.0001 = 2.0671               -> t=2.0671   R1 first
+    # t=2.0671   prefill R0 n=4 c=4 (pairs 4*(4+2) = 24, causal 8), decode R1 c=2 (context 3)
+    #            d = 1 + 0.5 + 0.04 + 0.008 + 0.0024 + 0.00008 + 0.1 + 0.003 = 1.65348 -> t=3.72058
+    # t=3.72058  prefill R0 n=4 c=8 (pairs 4*(8+2) = 40, causal 8: the block, not the prefix), decode R1 c=3
+    #            d = 1 + 0.5 + 0.04 + 0.012 + 0.004 + 0.00008 + 0.1 + 0.004 = 1.66008 -> t=5.38066  R0 first
+    # t=5.38066  decodes R0 c=12, R1 c=4 (contexts 13 + 5)  d = 1 + 0.2 + 0.018 = 1.218 -> t=6.59866  both done
+    out = simulate(simulator, [(0.0, 12, 2), (0.0, 2, 4)], cost_fn=probe_step_time, long_prefill_token_threshold=4)
+    assert_requests(out, first=[5.38066, 2.0671], finish=[6.59866, 6.59866], status=[COMPLETED] * 2)
 
 
 def test_a_burst_larger_than_one_iterations_arrivals_counts_each_gap_once(simulator):

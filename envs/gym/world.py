@@ -186,7 +186,7 @@ def _pad(values: np.ndarray, size: int, fill) -> np.ndarray:
 def _cost_probes(cost_fn: Callable, cost_params: Any) -> list[float]:
     """Step times of three reference batches: how fast the hardware is, whatever the cost model."""
     def seconds(prefill_seqs, prefill_tokens, pairs, decode_seqs, decode_context):
-        batch = StepBatch(*(jnp.float32(x) for x in (prefill_seqs, prefill_tokens, prefill_tokens, pairs,
+        batch = StepBatch(*(jnp.float32(x) for x in (prefill_seqs, prefill_tokens, prefill_tokens, pairs, pairs,
                                                      decode_seqs, decode_context)))
         return float(cost_fn(cost_params, batch))
     return [seconds(0, 0, 0, 1, 1025), seconds(0, 0, 0, 64, 64 * 1025), seconds(1, 2048, 2048 * 1024, 0, 0)]

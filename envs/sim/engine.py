@@ -1484,6 +1484,7 @@ def _look_ahead(params, state, slots, tokens, num_slots) -> LookAhead:
                                          jnp.where(chunk_is_prefill, prefill_context + q, 0.0)),
         prefill_attention_pairs=jnp.where(zero, first.prefill_attention_pairs,
                                           jnp.where(chunk_is_prefill, q * (prefill_context + q / 2), 0.0)),
+        prefill_causal_pairs=jnp.where(zero, first.prefill_causal_pairs, jnp.where(chunk_is_prefill, q * q / 2, 0.0)),
         num_decode_seqs=jnp.where(zero, first.num_decode_seqs, (decodes + chunk_is_decode).astype(f32)),
         decode_context_tokens=jnp.where(zero, first.decode_context_tokens,
                                         (contexts + j * decodes).astype(f32)
@@ -1709,10 +1710,11 @@ def _batch_summary(slots: Slots, tokens):
         prefill_tokens=jnp.where(is_prefill, q, 0.0),
         prefill_context_tokens=jnp.where(is_prefill, c + q, 0.0),
         prefill_attention_pairs=jnp.where(is_prefill, q * (c + q / 2), 0.0),
+        prefill_causal_pairs=jnp.where(is_prefill, q * q / 2, 0.0),
         num_decode_seqs=is_decode.astype(f32),
         decode_context_tokens=jnp.where(is_decode, c + 1, 0.0),
     )
-    totals = _sum(jnp.stack(list(terms.values()), axis=1))   # all six sums in one reduction
+    totals = _sum(jnp.stack(list(terms.values()), axis=1))   # all the sums in one reduction
     return StepBatch(**{name: totals[k] for k, name in enumerate(terms)})
 
 

@@ -181,7 +181,7 @@ def _blocks_for(tokens: int, block_size: int) -> int:
 
 def _step_batch(items: list[_Scheduled]) -> StepBatch:
     """The batch summary the cost model sees, in Python floats."""
-    prefill_seqs = prefill_tokens = prefill_context = prefill_pairs = 0.0
+    prefill_seqs = prefill_tokens = prefill_context = prefill_pairs = prefill_causal = 0.0
     decode_seqs = decode_context = 0.0
     for item in items:
         c, n = item.computed_before, item.tokens
@@ -193,11 +193,13 @@ def _step_batch(items: list[_Scheduled]) -> StepBatch:
             prefill_tokens += n
             prefill_context += c + n
             prefill_pairs += n * (c + n / 2)
+            prefill_causal += n * n / 2
     return StepBatch(
         num_prefill_seqs=prefill_seqs,
         prefill_tokens=prefill_tokens,
         prefill_context_tokens=prefill_context,
         prefill_attention_pairs=prefill_pairs,
+        prefill_causal_pairs=prefill_causal,
         num_decode_seqs=decode_seqs,
         decode_context_tokens=decode_context,
     )

@@ -22,14 +22,14 @@ from vidur.simulator import Simulator
 from vidur.utils.random import set_seeds
 
 BATCH_FIELDS = ["num_prefill_seqs", "prefill_tokens", "prefill_context_tokens", "prefill_attention_pairs",
-                "num_decode_seqs", "decode_context_tokens", "model_time_s", "total_time_s", "attn_decode_ms",
+                "prefill_causal_pairs", "num_decode_seqs", "decode_context_tokens", "model_time_s", "total_time_s", "attn_decode_ms",
                 "attn_prefill_ms", "mlp_layer_ms", "attention_layer_ms", "all_reduce_ms"]
 
 
 def batch_row(batch, execution_time):
     """The batch's shape read before Vidur's on_batch_end advances its requests: a request still in prefill
     contributes a chunk of q tokens after c computed ones, any other one decode token after c."""
-    row = dict.fromkeys(BATCH_FIELDS[:6], 0)
+    row = dict.fromkeys(BATCH_FIELDS[:7], 0)
     for request, q in zip(batch.requests, batch.num_tokens):
         c = request.num_processed_tokens
         if request.is_prefill_complete:
@@ -42,6 +42,7 @@ def batch_row(batch, execution_time):
             row["prefill_tokens"] += q
             row["prefill_context_tokens"] += c + q
             row["prefill_attention_pairs"] += q * (c + q / 2)
+            row["prefill_causal_pairs"] += q * q / 2
     e = execution_time
     row.update(model_time_s=e.model_time, total_time_s=e.total_time,
                attn_decode_ms=e.attention_decode_execution_time, attn_prefill_ms=e.attention_prefill_execution_time,
