@@ -6,9 +6,10 @@
 Only ``calibration`` is needed to cost a step; the rest records where the numbers came from and how well they
 did. ``calibration`` must hold the fields every profile has had (``REQUIRED_FIELDS``); the fields added since
 (the host phases' shares, ``host_multi_gpu_overhead_s``, ``allreduce_base_latency_s``,
-``eager_launch_overhead_s``, ``matmul_token_tile``, ``attention_causal_pair_ratio``) may be absent, and then take ``Calibration``'s defaults (documented there and in
-docs/cost-models.md), so a profile written before them still loads and costs a TP 1 step as it did. A profile holds fractions of the datasheet peaks, so applying it to another GPU or model is an
-extrapolation (the accuracy section says what it was measured on).
+``eager_launch_overhead_s``, ``matmul_token_tile``, ``attention_causal_pair_ratio``) may be absent, and then
+take ``Calibration``'s defaults (documented there and in docs/cost-models.md), so a profile written before
+them still loads and costs a TP 1 step as it did. A profile holds fractions of the datasheet peaks, so applying
+it to another GPU or model is an extrapolation (the accuracy section says what it was measured on).
 """
 from __future__ import annotations
 

@@ -22,8 +22,8 @@ from vidur.simulator import Simulator
 from vidur.utils.random import set_seeds
 
 BATCH_FIELDS = ["num_prefill_seqs", "prefill_tokens", "prefill_context_tokens", "prefill_attention_pairs",
-                "prefill_causal_pairs", "num_decode_seqs", "decode_context_tokens", "model_time_s", "total_time_s", "attn_decode_ms",
-                "attn_prefill_ms", "mlp_layer_ms", "attention_layer_ms", "all_reduce_ms"]
+                "prefill_causal_pairs", "num_decode_seqs", "decode_context_tokens", "model_time_s", "total_time_s",
+                "attn_decode_ms", "attn_prefill_ms", "mlp_layer_ms", "attention_layer_ms", "all_reduce_ms"]
 
 
 def batch_row(batch, execution_time):
