@@ -378,6 +378,25 @@ class SloConfig:
     attainment_target: Fraction = 0.9
 
 
+# The routers a cluster's requests pass through (envs/sim/cluster.py), and the replica load signals the weighted
+# router scores (its score is the weighted sum; the lowest-scored replica takes the request).
+ROUTERS = ("round_robin", "random", "least_outstanding", "least_kv", "power_of_two", "prefix_affinity", "weighted")
+ROUTER_FEATURES = ("queue", "running", "kv_utilization", "prefix_hit")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Replicas of the engine, each running ``scheduler`` on ``hardware``, behind one router."""
+    # a number of identical replicas; the loader refuses a list of replica groups, which is not simulated yet
+    replicas: Annotated[Any, Field(description="a number of replicas, 1 to 4096")] = 1
+    router: Literal[ROUTERS] = "round_robin"
+    # weighted: {feature: weight} over ROUTER_FEATURES; a replica's score is the weighted sum of its signals
+    router_weights: Any = None
+    # the router sees each replica's load as of its last report, every signal_delay_s seconds (0: as it is)
+    signal_delay_s: SecondsOrZero = 0.0
+    seed: Seed = 0                   # random and power_of_two: the router's draws
+
+
 @dataclass(frozen=True)
 class SimulationConfig:
     horizon_s: Optional[Seconds] = None  # stop the clock here; requests still in flight are unfinished
@@ -474,6 +493,7 @@ class Config:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     slo: SloConfig = field(default_factory=SloConfig)
     simulation: SimulationConfig = field(default_factory=SimulationConfig)
+    cluster: Optional[ClusterConfig] = None   # null: one engine, no router
     search: SearchConfig = field(default_factory=SearchConfig)
     rl: RlConfig = field(default_factory=RlConfig)
     source: Optional[str] = field(default=None, compare=False)  # file the config came from, for messages

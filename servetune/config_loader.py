@@ -33,7 +33,8 @@ from pydantic import TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
 from servetune.config import (
-    MAX_CLOCK_S, MAX_KV_TOKENS, MAX_TOKEN_COUNT, STEERABLE_KNOBS, VALIDATION, ArrivalsConfig, Config, CostModelConfig,
+    MAX_CLOCK_S, MAX_KV_TOKENS, MAX_TOKEN_COUNT, ROUTER_FEATURES, STEERABLE_KNOBS, VALIDATION, ArrivalsConfig, ClusterConfig,
+    Config, CostModelConfig,
     ColumnsConfig, Float, GpuDefinition, HardwareConfig, Int, KnobConfig, LengthsConfig, LognormalConfig, RampUpConfig,
     RangeRatioConfig, Rate, RlConfig, SchedulerConfig, SearchConfig, Seed, TenantConfig, TokenCount, WorkloadConfig,
 )
@@ -928,6 +929,56 @@ def _check_closed_loop_scheduler(config: Config, report: _Reporter) -> None:
                                "only during the run)")
 
 
+MAX_REPLICAS = 4096
+ROUTER_WEIGHTS_KEY = "cluster.router_weights"
+
+
+def _check_cluster(config: Config, report: _Reporter) -> ClusterConfig:
+    """A number of replicas; router weights (a mapping of ROUTER_FEATURES to finite numbers, kept as pairs in
+    ROUTER_FEATURES order) with the weighted router only; and what the cluster simulator does not model yet,
+    refused by name rather than simulated as something else."""
+    cluster = config.cluster
+    replicas = cluster.replicas
+    if isinstance(replicas, (list, tuple)):
+        raise report.bad_value("cluster.replicas", replicas, "a number of identical replicas: replica groups with "
+                               "their own hardware, cost_model and scheduler are not simulated yet")
+    if not _has_type(replicas, Int) or not 1 <= replicas <= MAX_REPLICAS:
+        raise report.bad_value("cluster.replicas", replicas, f"an integer in [1, {MAX_REPLICAS}]")
+    if cluster.router == "prefix_affinity":
+        raise report.bad_value("cluster.router", cluster.router, "a router other than prefix_affinity, which is not "
+                               "simulated yet (each replica would need its own prefix cache)")
+    if config.workload.sessions is not None:
+        raise report.bad_value("workload.sessions", "a mapping", "null with a cluster: closed-loop sessions behind "
+                               "a router are not simulated yet")
+    if config.scheduler.enable_prefix_caching:
+        raise report.bad_value("scheduler.enable_prefix_caching", True, "false with a cluster: a prefix cache per "
+                               "replica is not simulated yet")
+    weights = cluster.router_weights
+    if cluster.router != "weighted":
+        if weights is not None:
+            raise report.bad_value(ROUTER_WEIGHTS_KEY, weights, f"null unless router is weighted (it is "
+                                                                f"{cluster.router})")
+        return cluster
+    expected = (f"a mapping of signal to weight, signals among {', '.join(ROUTER_FEATURES)}, at least one "
+                "weight non-zero (the lowest-scored replica takes the request)")
+    if isinstance(weights, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in weights):
+        weights = dict(weights)   # the (signal, weight) pairs of an already checked config, e.g. from JSON
+    if not isinstance(weights, dict) or not weights:
+        raise report.bad_value(ROUTER_WEIGHTS_KEY, weights, expected)
+    for name, weight in weights.items():
+        if name not in ROUTER_FEATURES:
+            raise report.error(*_unknown_key(str(name), list(ROUTER_FEATURES), ROUTER_WEIGHTS_KEY))
+        if not _has_type(weight, Float):
+            raise report.bad_value(f"{ROUTER_WEIGHTS_KEY}.{name}", weight, "a finite number")
+    if weights.get("prefix_hit"):
+        raise report.bad_value(f"{ROUTER_WEIGHTS_KEY}.prefix_hit", weights["prefix_hit"],
+                               "0: prefix-cache hits per replica are not simulated yet")
+    if not any(weights.values()):
+        raise report.bad_value(ROUTER_WEIGHTS_KEY, weights, expected)
+    pairs = tuple((name, float(weights[name])) for name in ROUTER_FEATURES if name in weights)
+    return dataclasses.replace(cluster, router_weights=pairs)
+
+
 def _check_cross_field(config: Config, report: _Reporter, base_dir: Path) -> Config:
     config = dataclasses.replace(config, hardware=_check_hardware(config.hardware, report, base_dir))
     scheduler = config.scheduler
@@ -946,6 +997,8 @@ def _check_cross_field(config: Config, report: _Reporter, base_dir: Path) -> Con
     config = dataclasses.replace(config, scheduler=_check_queue_order(scheduler, report))
     config = dataclasses.replace(config, workload=_check_workload(config.workload, report, base_dir))
     _check_closed_loop_scheduler(config, report)
+    if config.cluster is not None:
+        config = dataclasses.replace(config, cluster=_check_cluster(config, report))
     config = dataclasses.replace(config, search=_check_search(config, report, base_dir))
     return dataclasses.replace(config, rl=_check_rl(config.rl, report))
 

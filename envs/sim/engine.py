@@ -95,6 +95,11 @@ class Trace:
     first_call: Any = None          # int32[num_sessions] each session's first call
 
 
+# The fields an open-loop workload fills (the closed-loop ones stay None).
+OPEN_LOOP_TRACE_FIELDS = ("arrival_hi", "arrival_lo", "prompt", "output", "arrival_rel", "tenant", "priority",
+                          "predicted_output", "ttft_budget", "rate_limited")
+
+
 class QueueShape(NamedTuple):
     """Static sizes of a scored (non-fcfs) queue: the pool of waiting ids, and the tenants counted."""
 
@@ -218,10 +223,25 @@ class EngineState:
 # One loop iteration: the outline. Its numbered banners are envs/sim/reference.py's steps (the decision
 # rules they name are docs/engine-semantics.md's, numbered there from the static batch on).
 # ---------------------------------------------------------------------------------------------
-def _iteration(trace, params, state, cost_fn, num_slots, queue: "WaitingQueue"):
-    """One turn of the loop: the decision at a step boundary, as vLLM's ``Scheduler.schedule()`` takes it, then
-    the steps it launches, to the next boundary. ``queue`` is the waiting queue's implementation (`RingQueue`
-    for fcfs, `PoolQueue` for the scored orders), chosen once from the policy: `waiting_queue`."""
+class Decision(NamedTuple):
+    """A step boundary's decision (steps 1-4), and what the rest of the iteration reads of how it was taken."""
+
+    state: EngineState       # the queue, slots, seats and blocks after it
+    boundary: EngineState    # what the boundary saw: the outcome of an iteration that decides nothing
+    tokens: jnp.ndarray      # tokens scheduled per slot
+    front: "Front"
+    admitted: jnp.ndarray
+    preempted: jnp.ndarray
+    end: jnp.ndarray         # running requests kept by the running pass
+    timeout: tuple
+    active: jnp.ndarray
+    live: jnp.ndarray
+    more_due: jnp.ndarray
+    past_horizon: jnp.ndarray
+
+
+def _decide(trace, params, state, num_slots, queue: "WaitingQueue") -> Decision:
+    """The decision at a step boundary, as vLLM's ``Scheduler.schedule()`` takes it (steps 1-4)."""
     state = queue.make_room(state, num_slots)
     # -- 1. arrivals: the API server's refusals, then the back of the waiting queue ---------------------
     state, more_due, arrived = _process_arrivals(trace, params, state, queue)
@@ -252,25 +272,41 @@ def _iteration(trace, params, state, cost_fn, num_slots, queue: "WaitingQueue"):
     # The requests that left as the decision was being taken give up their seats and blocks in `_advance`'s
     # compaction.
     state = replace(state, slots=slots, num_running=end + admitted, free_blocks=free)
+    return Decision(state, boundary, tokens, front, admitted, preempted, end, timeout, active, live, more_due,
+                    past_horizon)
 
+
+def decided(trace, params, state, num_slots, queue: "WaitingQueue") -> EngineState:
+    """The state once this boundary's decision is taken, before the step it schedules runs (a router's view
+    of a replica whose decision was taken a step early: envs/sim/cluster.py)."""
+    decision = _decide(trace, params, state, num_slots, queue)
+    return choose(decision.active, decision.state, decision.boundary)
+
+
+def iteration(trace, params, state, cost_fn, num_slots, queue: "WaitingQueue"):
+    """One turn of the loop: the decision at a step boundary, as vLLM's ``Scheduler.schedule()`` takes it, then
+    the steps it launches, to the next boundary. ``queue`` is the waiting queue's implementation (`RingQueue`
+    for fcfs, `PoolQueue` for the scored orders), chosen once from the policy: `waiting_queue`."""
+    d = _decide(trace, params, state, num_slots, queue)
+    state, boundary, tokens = d.state, d.boundary, d.tokens
     # -- 6. the scheduled step and the run of steps of its shape after it (else 5. idle) -----------------
     busy = _any(tokens > 0)
-    front_blocks = queue.front_blocks(params, front, admitted, preempted, num_slots)
-    stepped = _advance(trace, params, state, slots, tokens, cost_fn, num_slots, queue, front_blocks)
+    front_blocks = queue.front_blocks(params, d.front, d.admitted, d.preempted, num_slots)
+    stepped = _advance(trace, params, state, state.slots, tokens, cost_fn, num_slots, queue, front_blocks)
     # A decision taken a step early that schedules nothing is taken again now, on what this boundary sees
     # (with nothing scheduled `_advance` only drops the requests that left).
     retaken = replace(state, slots=stepped.slots, num_running=stepped.num_running,
                       free_blocks=stepped.free_blocks, pipelined_now=jnp.asarray(False))
     # -- 5. idle: nothing to schedule --------------------------------------------------------------------
-    idled = _idle(trace, params, boundary, timeout)
-    after = _choose(active, _choose(busy, stepped, _choose(boundary.pipelined_now, retaken, idled)), boundary)
+    idled = _idle(trace, params, boundary, d.timeout)
+    after = choose(d.active, choose(busy, stepped, choose(boundary.pipelined_now, retaken, idled)), boundary)
     # The slot count is a capacity bound, not a knob: if it ever binds, the caller reruns with more.
-    table_full = (end + admitted >= num_slots) & (num_slots < params.max_num_seqs) & ~params.static_batching
-    slots_filled = boundary.slots_filled | (active & table_full)
+    table_full = (d.end + d.admitted >= num_slots) & (num_slots < params.max_num_seqs) & ~params.static_batching
+    slots_filled = boundary.slots_filled | (d.active & table_full)
     return replace(after,
         # A run that outgrew its tables is rerun with larger ones, so it may stop here.
-        ended=after.ended | (~more_due & past_horizon) | slots_filled | after.pool_filled,
-        iterations=boundary.iterations + live.astype(i32),
+        ended=after.ended | (~d.more_due & d.past_horizon) | slots_filled | after.pool_filled,
+        iterations=boundary.iterations + d.live.astype(i32),
         slots_filled=slots_filled,
     )
 
@@ -1779,7 +1815,7 @@ def _idle(trace, params, state, timeout):
 _LARGE_FIELDS = ("queue", "pool_key", "pool_tenant", "requests", "itl_histogram")
 
 
-def _choose(pred, if_true: EngineState, if_false: EngineState) -> EngineState:
+def choose(pred, if_true: EngineState, if_false: EngineState) -> EngineState:
     small = {
         f: jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), getattr(if_true, f), getattr(if_false, f))
         for f in if_true.__dataclass_fields__ if f not in _LARGE_FIELDS
@@ -1811,7 +1847,7 @@ def run(trace: Trace, params: EngineParams, cost_fn: Callable, num_slots: int,
     state = init_state(trace, params, num_slots, queue_shape)
     state = jax.lax.while_loop(
         lambda s: _live(s, params),
-        lambda s: _iteration(trace, params, s, cost_fn, num_slots, waiting_queue(queue_shape)),
+        lambda s: iteration(trace, params, s, cost_fn, num_slots, waiting_queue(queue_shape)),
         state,
     )
     return flush_running(state)
@@ -1826,7 +1862,7 @@ def run_from(trace: Trace, params: EngineParams, state: EngineState, cost_fn: Ca
     state = replace(state, ended=jnp.asarray(False))
     return jax.lax.while_loop(
         lambda s: _live(s, params),
-        lambda s: _iteration(trace, params, s, cost_fn, num_slots, waiting_queue(queue_shape)),
+        lambda s: iteration(trace, params, s, cost_fn, num_slots, waiting_queue(queue_shape)),
         state,
     )
 
@@ -1894,7 +1930,7 @@ def interval_runner(cost_fn: Callable, num_slots: int, queue_shape: Optional[Que
         state = replace(state, ended=jnp.zeros_like(state.ended))
 
         def loop(state, slots):
-            return _while_any_live(lambda p, one, t: _iteration(t, p, one, cost_fn, slots, queue),
+            return while_any_live(lambda p, one, t: iteration(t, p, one, cost_fn, slots, queue),
                                    params, state, trace)
 
         out = _small_table_first(loop, state, num_slots)
@@ -1903,12 +1939,13 @@ def interval_runner(cost_fn: Callable, num_slots: int, queue_shape: Optional[Que
     return run
 
 
-def _while_any_live(iteration: Callable, params, state, trace=None):
-    """Iterate a batch of runs (leading axis on params and state; on trace too when given) while any is live."""
+def while_any_live(body: Callable, params, state, trace=None):
+    """Iterate a batch of runs (leading axis on params and state; on trace too when given) while any is live:
+    ``body(params, state, trace)`` is one run's iteration."""
     trace_axis = None if trace is None else 0
     return jax.lax.while_loop(
         lambda s: jnp.any(jax.vmap(_live)(s, params)),
-        lambda s: jax.vmap(iteration, in_axes=(0, 0, trace_axis))(params, s, trace),
+        lambda s: jax.vmap(body, in_axes=(0, 0, trace_axis))(params, s, trace),
         state,
     )
 
@@ -1919,11 +1956,11 @@ def run_batched(trace: Trace, params: EngineParams, cost_fn: Callable, num_slots
 
     The loop runs while any config is live and only its body is vmapped. (vmapping the whole
     while_loop would make JAX select the entire carry -- request table included -- per config on every
-    iteration.) An ended config's iteration writes nothing: `_iteration` gates every update on it.
+    iteration.) An ended config's iteration writes nothing: `iteration` gates every update on it.
     """
     state = jax.vmap(lambda p: init_state(trace, p, num_slots, queue_shape))(params)
     queue = waiting_queue(queue_shape)
-    state = _while_any_live(lambda p, one, _: _iteration(trace, p, one, cost_fn, num_slots, queue), params, state)
+    state = while_any_live(lambda p, one, _: iteration(trace, p, one, cost_fn, num_slots, queue), params, state)
     return jax.vmap(flush_running)(state)
 
 
@@ -1933,7 +1970,7 @@ def run_traces(trace: Trace, params: EngineParams, cost_fn: Callable, num_slots:
     as `run_batched` loops its configs."""
     state = jax.vmap(lambda t, p: init_state(t, p, num_slots, queue_shape))(trace, params)
     queue = waiting_queue(queue_shape)
-    state = _while_any_live(lambda p, one, t: _iteration(t, p, one, cost_fn, num_slots, queue), params, state, trace)
+    state = while_any_live(lambda p, one, t: iteration(t, p, one, cost_fn, num_slots, queue), params, state, trace)
     return jax.vmap(flush_running)(state)
 
 

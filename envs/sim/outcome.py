@@ -5,7 +5,9 @@ metrics and every test read them the same way.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -76,3 +78,63 @@ class EngineTotals:
 class SimulationOutcome:
     requests: RequestOutcomes
     totals: EngineTotals
+
+
+NOT_ROUTED = -1   # ClusterOutcome.replica of a request no replica was sent: refused at the router, or never arrived
+
+
+@dataclass(frozen=True)
+class ClusterOutcome:
+    """Replicas behind a router: the cluster as one run, and each replica's own."""
+
+    outcome: SimulationOutcome        # requests in workload order; totals summed over replicas (end_s: the last)
+    replica: np.ndarray               # int per request: the replica it was sent to, or NOT_ROUTED
+    replicas: tuple                   # a SimulationOutcome per replica, requests in workload order (the others
+                                      # NOT_ARRIVED there)
+
+
+def routable(workload, horizon_s: Optional[float], refused: np.ndarray) -> np.ndarray:
+    """The requests the router sends on: those that arrive before the horizon and pass their tenant's limit."""
+    before = np.ones(workload.num_requests, bool) if horizon_s is None else workload.arrival_s < horizon_s
+    return before & ~refused
+
+
+def merged_outcome(workload, replica: np.ndarray, replicas: Sequence[SimulationOutcome],
+                   refused: np.ndarray, horizon_s: Optional[float]) -> SimulationOutcome:
+    """The cluster as one run: each request's outcome from its replica, the router's refusals as rejections
+    (reason tenant_rate_limit), totals summed. The cluster ends with its last replica -- or at the horizon
+    when a request was still to come, as a lone engine waits for it."""
+    n = workload.num_requests
+    columns = {f.name: np.array(getattr(replicas[0].requests, f.name)) for f in dataclasses.fields(RequestOutcomes)}
+    for r, outcome in enumerate(replicas):
+        mine = replica == r
+        for name in columns:
+            columns[name][mine] = getattr(outcome.requests, name)[mine]
+    at_router = refused & routable(workload, horizon_s, np.zeros(n, bool))
+    columns["status"][at_router] = REJECTED
+    columns["reject_reason"][at_router] = REJECT_TENANT_RATE
+    columns["arrival_s"][at_router] = workload.arrival_s[at_router]
+    end_s = max(o.totals.end_s for o in replicas)
+    if horizon_s is not None and np.any(workload.arrival_s >= horizon_s):
+        end_s = max(end_s, horizon_s)
+    totals = EngineTotals(
+        end_s=end_s,
+        steps=sum(o.totals.steps for o in replicas),
+        scheduled_seqs=sum(o.totals.scheduled_seqs for o in replicas),
+        kv_block_seconds=sum(o.totals.kv_block_seconds for o in replicas),
+        in_system_seconds=sum(o.totals.in_system_seconds for o in replicas),
+        itl_histogram=np.sum([o.totals.itl_histogram for o in replicas], axis=0),
+        truncated=any(o.totals.truncated for o in replicas),
+    )
+    return SimulationOutcome(RequestOutcomes(**columns), totals)
+
+
+def idle_outcome(workload, start_s: float) -> SimulationOutcome:
+    """A replica sent nothing: every request NOT_ARRIVED there, its clock still at the cluster's start."""
+    n = workload.num_requests
+    nan = np.full(n, np.nan)
+    zeros = np.zeros(n, np.int64)
+    requests = RequestOutcomes(np.full(n, NOT_ARRIVED, np.int64), nan, zeros, nan, nan, zeros, zeros, nan,
+                               np.zeros(n))
+    totals = EngineTotals(start_s, 0, 0, 0.0, 0.0, np.zeros(ITL_HIST_BINS, np.int64))
+    return SimulationOutcome(requests, totals)

@@ -175,11 +175,11 @@ def _params(workload, scheduler, cost_params, horizon_s, hits: Optional[PrefixHi
     return engine_params(scheduler, cost_params, horizon_s, iteration_guard(workload), cached)
 
 
-def _is_scored(scheduler: SchedulerConfig) -> bool:
+def is_scored(scheduler: SchedulerConfig) -> bool:
     return scheduler.queue_order != "fcfs"
 
 
-def _queue_shape(workload: Workload, scored: bool, num_slots: int, pool_size: int):
+def queue_shape_for(workload: Workload, scored: bool, num_slots: int, pool_size: int):
     if not scored:
         return None
     # No queue holds more than the workload's rows, and the front takes num_slots entries from the pool.
@@ -237,7 +237,7 @@ def engine_params(scheduler: SchedulerConfig, cost_params: Any, horizon_s: Optio
         max_wait_s=jnp.asarray(scheduler.max_wait_s, jnp.float32),
         horizon_hi=jnp.asarray(horizon_hi[0]), horizon_lo=jnp.asarray(horizon_lo[0]),
         max_iterations=i32(max_iterations),
-        order_weights=jnp.asarray(order_weights(scheduler) if _is_scored(scheduler)
+        order_weights=jnp.asarray(order_weights(scheduler) if is_scored(scheduler)
                                   else np.zeros(len(FEATURES), np.float32)),
         cached_tokens=None if cached_tokens is None else jnp.asarray(cached_tokens, jnp.int32),
         # A full-attention model compiles without the window's bookkeeping.
@@ -307,7 +307,7 @@ def _run_growing(workload: Workload, trace, params: list, cost_fn, schedulers, s
     pending = list(range(len(params)))
     sizes: Optional[tuple[int, int]] = (slot_schedule(schedulers)[0], INITIAL_POOL)
     while sizes is not None:
-        shape = _queue_shape(workload, scored, *sizes)
+        shape = queue_shape_for(workload, scored, *sizes)
         lanes = pending + [pending[-1]] * (_batch_lanes(len(pending)) - len(pending))
         rows = _stack([params[i] for i in lanes])
         if traces is None:
@@ -327,7 +327,7 @@ def _run_one_growing(workload: Workload, trace, params, cost_fn, scheduler, comp
     appends (compile s, simulate s) per attempt."""
     sizes: Optional[tuple[int, int]] = (slot_schedule([scheduler])[0], INITIAL_POOL)
     while sizes is not None:
-        shape = _queue_shape(workload, _is_scored(scheduler), *sizes)
+        shape = queue_shape_for(workload, is_scored(scheduler), *sizes)
         if compile_timer is None:
             state = jax.device_get(engine.run_jit(trace, params, cost_fn, sizes[0], shape))
         else:
@@ -375,7 +375,7 @@ def simulate_many(workload: Workload, schedulers: Sequence[SchedulerConfig], cos
     params = [_params(workload, s, c, horizon_s, h) for s, c, h in zip(schedulers, cost_params, hits)]
     groups: dict[tuple, list[int]] = {}
     for i, scheduler in enumerate(schedulers):
-        scored = _is_scored(scheduler)
+        scored = is_scored(scheduler)
         # A sliding window compiles its own engine (EngineParams.sliding_window).
         key = (scored, scheduler.length_prediction_noise if scored else 0.0, bool(scheduler.window))
         groups.setdefault(key, []).append(i)
@@ -391,14 +391,18 @@ def simulate_many(workload: Workload, schedulers: Sequence[SchedulerConfig], cos
 
 
 def simulate_seeds(workloads: Sequence[Workload], scheduler: SchedulerConfig, cost_fn: Callable, cost_params: Any,
-                   horizon_s: Optional[float] = None) -> list[SimulationOutcome]:
+                   horizon_s: Optional[float] = None,
+                   ttft_slo_ms: Optional[Sequence[np.ndarray]] = None) -> list[SimulationOutcome]:
     """Simulate one scheduler config over many workloads -- as seeds of one workload spec give: any request
-    counts, the same tenants and closed-loop sessions -- in one vmapped call."""
+    counts, the same tenants and closed-loop sessions -- in one vmapped call (``ttft_slo_ms``: one array per
+    workload, see device_trace)."""
     if not workloads:
         return []
     first = workloads[0]
     rows = request_rows(max(w.num_requests for w in workloads))
-    traces = [padded_trace(device_trace(w, scheduler.length_prediction_noise), rows) for w in workloads]
+    slos = [None] * len(workloads) if ttft_slo_ms is None else list(ttft_slo_ms)
+    traces = [padded_trace(device_trace(w, scheduler.length_prediction_noise, slo), rows)
+              for w, slo in zip(workloads, slos)]
     shapes = [jax.tree_util.tree_map(np.shape, t) for t in traces]
     for index, (w, shape) in enumerate(zip(workloads, shapes)):
         if shape != shapes[0] or w.tenant_names != first.tenant_names:
@@ -411,7 +415,7 @@ def simulate_seeds(workloads: Sequence[Workload], scheduler: SchedulerConfig, co
     params = [_params(w, scheduler, cost_params, horizon_s, h, rows) for w, h in zip(workloads, hits)]
     # The tables are sized for the longest workload (its rows cover every other's).
     longest = max(workloads, key=lambda w: w.num_requests)
-    states = _run_growing(longest, None, params, cost_fn, [scheduler] * len(workloads), _is_scored(scheduler),
+    states = _run_growing(longest, None, params, cost_fn, [scheduler] * len(workloads), is_scored(scheduler),
                           traces)
     return [_with_hits(outcome_from_state(w, state, horizon_s), h) for w, state, h in zip(workloads, states, hits)]
 

@@ -1,0 +1,277 @@
+"""Replicas of the JAX engine behind a router: a cluster is a batch axis of the engine state.
+
+Every replica is the single engine (envs/sim/engine.py) on its own request table; the router decides, for
+each arrival in arrival order, which replica's table it joins. docs/engine-semantics.md ("Replicas and the
+router") states the rules, and ``envs/sim/cluster_reference.py`` states them as a plain loop.
+
+* A router that reads no replica state (round_robin, random) decides every arrival before the run: each
+  replica then simply serves its share, as a single engine would (`static_assignment`).
+* A router that reads the replicas' load routes while they run, in lock step: before the router looks at
+  time t, every replica runs every step that starts before t (the engine's horizon, `run_from`), so it
+  stands at its first step boundary at or after t -- with the step in flight at t completed -- and has
+  taken no decision at or after t. Under async scheduling the decision the step after it runs was taken a
+  step early, before t; the router sees it taken (`_decided_view`). Then the router takes the arrival (or,
+  with ``signal_delay_s``, the reports it reads, the last one at or before the arrival).
+* Lanes are configs × replicas (lane ``c · R + r``), stepped together by one vmapped engine iteration; the
+  router's decisions are vectorised over configs.
+
+Signals per replica, as the router reads them: ``queue``, requests waiting (those routed to it and not
+yet taken in included); ``running``, requests seated; ``kv_utilization``, the share of its usable KV blocks
+held; outstanding = queue + running, the requests it was sent that have not finished or been refused.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from servetune.config import ROUTER_FEATURES, ROUTERS
+from servetune.envs.sim import engine
+from servetune.envs.sim.double_float import df_le
+from servetune.envs.sim.outcome import NOT_ROUTED
+from servetune.envs.sim.queue_order import NO_DEADLINE_S
+from servetune.pytree import pytree_dataclass, replace
+
+f32, i32 = jnp.float32, jnp.int32
+
+STATE_FREE_ROUTERS = ("round_robin", "random")   # decide from the arrival order and the router's draws alone
+SIGNALS = ("queue", "running", "kv_utilization")   # what the weighted router scores (ROUTER_FEATURES' first three)
+ROUTER_CODE = {name: code for code, name in enumerate(ROUTERS)}
+
+
+def router_draws(num_requests: int, num_replicas: int, seed: int) -> np.ndarray:
+    """int32[n, 2]: per request, the replica random sends it to, and power_of_two's two distinct candidates
+    (the first being random's). Drawn on the host so that both simulators read the same draws."""
+    rng = np.random.default_rng(seed)
+    first = rng.integers(0, num_replicas, num_requests)
+    second = rng.integers(0, max(num_replicas - 1, 1), num_requests)
+    second = np.where(num_replicas > 1, second + (second >= first), first)
+    return np.stack([first, second], axis=1).astype(np.int32)
+
+
+def static_assignment(router: str, num_replicas: int, routable: np.ndarray, draws: np.ndarray) -> np.ndarray:
+    """A state-free router's replica for each request (NOT_ROUTED where not `routable`): round_robin sends
+    the k-th routable request to replica k mod R; random sends each to its draw."""
+    replica = np.full(len(routable), NOT_ROUTED, np.int64)
+    if router == "round_robin":
+        replica[routable] = np.arange(int(routable.sum())) % num_replicas
+    elif router == "random":
+        replica[routable] = draws[routable, 0]
+    else:
+        raise ValueError(f"{router} reads the replicas' state; it routes while they run")
+    return replica
+
+
+@pytree_dataclass
+class RouterParams:
+    """One config's router; traced, so that configs with different routers vmap together."""
+
+    kind: jnp.ndarray            # int32 code of ROUTERS
+    weights: jnp.ndarray         # float32[len(SIGNALS)]: the weighted router's
+    report_every_s: jnp.ndarray  # float32 seconds between load reports; 0: the router sees the load as it is
+
+
+def router_params(router: str, weights, signal_delay_s: float) -> RouterParams:
+    by_name = dict(weights or ())
+    return RouterParams(kind=jnp.asarray(ROUTER_CODE[router], i32),
+                        weights=jnp.asarray([by_name.get(name, 0.0) for name in SIGNALS], f32),
+                        report_every_s=jnp.asarray(signal_delay_s, f32))
+
+
+@pytree_dataclass
+class ClusterState:
+    replicas: engine.EngineState   # leading axis: lanes (configs × replicas)
+    traces: engine.Trace           # per lane, the requests routed to it in arrival order; the rest never arrive
+    routed: jnp.ndarray            # int32[lanes]: rows of its trace filled
+    replica_of: jnp.ndarray        # int32[configs, n]: each request's replica, NOT_ROUTED until routed
+    row_of: jnp.ndarray            # int32[configs, n]: its row in that replica's table
+    next_request: jnp.ndarray      # int32[configs]: the first request not yet routed
+    routed_count: jnp.ndarray      # int32[configs]: requests routed so far (round_robin's counter)
+    seen: jnp.ndarray              # float32[configs, R, len(SIGNALS)]: the signals of the last report
+    reported_hi: jnp.ndarray       # float32[configs]: when the last report was taken (-inf: none yet)
+    reported_lo: jnp.ndarray
+    finished: jnp.ndarray          # bool[configs]: every arrival routed and the replicas run to the end
+
+
+def _signals(params: engine.EngineParams, state: engine.EngineState, routed) -> jnp.ndarray:
+    """float32[len(SIGNALS)] of one replica. A request the step that just ended completed (async: still
+    seated, `Slots.leaving`) counts as gone, its blocks free, as the replica reports after processing that
+    step's output."""
+    slots = state.slots
+    leaving = (jnp.arange(slots.req.shape[0]) < state.num_running) & slots.leaving
+    queue = state.queue_len + routed - state.next_arrival
+    running = state.num_running - jnp.sum(leaving, dtype=i32)
+    held = params.usable_kv_blocks - state.free_blocks - jnp.sum(jnp.where(leaving, slots.blocks, 0), dtype=i32)
+    return jnp.stack([queue.astype(f32), running.astype(f32),
+                      held.astype(f32) / params.usable_kv_blocks.astype(f32)])
+
+
+def _decided_view(trace, params, state, num_slots, queue):
+    """The replica as the router sees it: with a decision taken a step early (async) and not yet applied,
+    that decision applied (`engine.decided`); otherwise as it is."""
+    return engine.choose(state.pipelined_now, engine.decided(trace, params, state, num_slots, queue), state)
+
+
+def _choice(router: RouterParams, signals, draws, routed_count):
+    """The replica one config's router picks from its replicas' signals [R, len(SIGNALS)]. Ties go to the
+    lowest index (power_of_two: to the first drawn)."""
+    num_replicas = signals.shape[0]
+    outstanding = signals[:, 0] + signals[:, 1]
+    kv = signals[:, 2]
+    least_kv = jnp.argmin(jnp.where(kv == jnp.min(kv), outstanding, jnp.inf))
+    first, second = draws[0], draws[1]
+    w = router.weights
+    score = signals[:, 0] * w[0] + signals[:, 1] * w[1] + signals[:, 2] * w[2]
+    by_kind = jnp.stack([
+        routed_count % num_replicas,                                            # round_robin
+        first,                                                                  # random
+        jnp.argmin(outstanding),                                                # least_outstanding
+        least_kv,                                                               # least_kv
+        jnp.where(outstanding[second] < outstanding[first], second, first),     # power_of_two
+        first,                                                                  # prefix_affinity (refused by the loader)
+        jnp.argmin(score),                                                      # weighted
+    ]).astype(i32)
+    return by_kind[router.kind]
+
+
+def _write_rows(traces: engine.Trace, requests: engine.Trace, lanes, rows, ids) -> engine.Trace:
+    """Request `ids` (global rows) written at `rows` of lanes `lanes` (one per config; lane = number of
+    lanes: nothing written). Routed requests are never rate-limited there: the router applied the limits."""
+    def write(name):
+        column = getattr(traces, name)
+        value = getattr(requests, name)[ids]
+        if name == "rate_limited":
+            value = jnp.zeros_like(value)
+        return column.at[lanes, rows].set(value, mode="drop")
+
+    return engine.Trace(**{name: write(name) for name in engine.OPEN_LOOP_TRACE_FIELDS})
+
+
+def _next_event(requests: engine.Trace, router: RouterParams, cs: ClusterState, user_hi, user_lo):
+    """Per config: (event hi, lo, is a report, is an arrival). The next event is the next arrival before the
+    horizon, or before it the last report the router reads for it; none (inf) once every arrival is routed."""
+    n = requests.prompt.shape[0]
+    index = jnp.minimum(cs.next_request, n - 1)
+    a_hi, a_lo = requests.arrival_hi[index], requests.arrival_lo[index]
+    arrives = (cs.next_request < n) & jnp.isfinite(a_hi) & ~df_le(user_hi, user_lo, a_hi, a_lo)
+    every = router.report_every_s
+    # Reports come at 0, every, 2·every, ...: the last at or before the arrival.
+    periods = jnp.floor(a_hi / jnp.where(every > 0, every, 1.0))
+    report_hi, report_lo = periods * every, jnp.zeros_like(a_hi)
+    report = arrives & (every > 0) & ~df_le(report_hi, report_lo, cs.reported_hi, cs.reported_lo)
+    hi = jnp.where(report, report_hi, jnp.where(arrives, a_hi, jnp.inf))
+    lo = jnp.where(report, report_lo, jnp.where(arrives, a_lo, 0.0))
+    return hi, lo, report, arrives & ~report
+
+
+def _cluster_iteration(requests, draws, params, router, cs: ClusterState, cost_fn, num_slots, queue, num_replicas):
+    num_configs = cs.next_request.shape[0]
+    lanes = num_configs * num_replicas
+
+    def per_config(x):
+        return x.reshape(num_configs, num_replicas)[:, 0]
+
+    def per_lane(x):
+        return jnp.repeat(x, num_replicas)
+
+    user_hi, user_lo = per_config(params.horizon_hi), per_config(params.horizon_lo)
+    hi, lo, report, arrival = _next_event(requests, router, cs, user_hi, user_lo)
+    # Run every replica of an unfinished config to the event (to the end once nothing is left to route).
+    last = ~jnp.isfinite(hi)
+    stop_hi, stop_lo = jnp.where(last, user_hi, hi), jnp.where(last, user_lo, lo)
+    stopped = replace(params, horizon_hi=per_lane(stop_hi), horizon_lo=per_lane(stop_lo))
+    running = per_lane(~cs.finished)
+    replicas = replace(cs.replicas, ended=jnp.where(running, False, cs.replicas.ended))
+    replicas = engine.while_any_live(
+        lambda p, one, t: engine.iteration(t, p, one, cost_fn, num_slots, queue), stopped, replicas, cs.traces)
+
+    # What the router sees. A decision taken a step early moves requests between the queue and the seats and
+    # takes blocks, which only least_kv and weighted read: the others skip taking it.
+    reads_split = (router.kind == ROUTER_CODE["least_kv"]) | (router.kind == ROUTER_CODE["weighted"])
+    view = jax.lax.cond(
+        jnp.any(per_lane(reads_split) & replicas.pipelined_now),
+        lambda r: jax.vmap(lambda t, p, s: _decided_view(t, p, s, num_slots, queue))(cs.traces, params, r),
+        lambda r: r, replicas)
+    signals = jax.vmap(_signals)(params, view, cs.routed).reshape(num_configs, num_replicas, len(SIGNALS))
+    seen = jnp.where(report[:, None, None], signals, cs.seen)
+    reads = jnp.where((router.report_every_s > 0)[:, None, None], seen, signals)
+
+    # The arrival: refused by its tenant's rate limit at the router, or routed.
+    n = requests.prompt.shape[0]
+    ids = jnp.minimum(cs.next_request, n - 1)
+    refused = arrival & requests.rate_limited[ids]
+    routes = arrival & ~refused
+    replica = jax.vmap(_choice)(router, reads, draws[ids], cs.routed_count)
+    lane = jnp.arange(num_configs, dtype=i32) * num_replicas + replica
+    row = cs.routed[jnp.minimum(lane, lanes - 1)]
+    target = jnp.where(routes, lane, lanes)
+    configs = jnp.arange(num_configs)
+    return replace(cs,
+        replicas=replicas,
+        traces=_write_rows(cs.traces, requests, target, row, ids),
+        routed=cs.routed.at[target].add(1, mode="drop"),
+        replica_of=cs.replica_of.at[configs, jnp.where(routes, ids, n)].set(replica, mode="drop"),
+        row_of=cs.row_of.at[configs, jnp.where(routes, ids, n)].set(row, mode="drop"),
+        next_request=cs.next_request + arrival.astype(i32),
+        routed_count=cs.routed_count + routes.astype(i32),
+        seen=seen,
+        reported_hi=jnp.where(report, hi, cs.reported_hi),
+        reported_lo=jnp.where(report, lo, cs.reported_lo),
+        finished=cs.finished | last,
+    )
+
+
+def _outgrown(cs: ClusterState):
+    """A lane's slot table or queue pool filled up: the whole cluster reruns with larger ones."""
+    return jnp.any(cs.replicas.slots_filled) | jnp.any(cs.replicas.pool_filled)
+
+
+def _empty_traces(requests: engine.Trace, lanes: int) -> engine.Trace:
+    """Per lane, a table of `requests`' length whose rows never arrive (the padding rows of padded_trace)."""
+    n = requests.prompt.shape[0]
+
+    def column(name):
+        values = getattr(requests, name)
+        fill = jnp.inf if name == "arrival_hi" else jnp.zeros((), values.dtype)
+        return jnp.broadcast_to(jnp.asarray(fill, values.dtype), (lanes, n))
+
+    traces = engine.Trace(**{name: column(name) for name in engine.OPEN_LOOP_TRACE_FIELDS})
+    return replace(traces, prompt=jnp.ones_like(traces.prompt), output=jnp.ones_like(traces.output),
+                   predicted_output=jnp.ones_like(traces.predicted_output),
+                   ttft_budget=jnp.full((lanes, n), NO_DEADLINE_S, f32))
+
+
+def run_cluster(requests: engine.Trace, draws, params: engine.EngineParams, router: RouterParams, cost_fn: Callable,
+                num_slots: int, queue_shape: Optional[engine.QueueShape], num_replicas: int) -> ClusterState:
+    """Configs' clusters over one workload: `params` per lane (configs × replicas, each config's params
+    repeated per replica), `router` per config. Pure; stops early when a lane outgrows its tables."""
+    lanes = params.max_num_seqs.shape[0]
+    num_configs = lanes // num_replicas
+    n = requests.prompt.shape[0]
+    queue = engine.waiting_queue(queue_shape)
+    traces = _empty_traces(requests, lanes)
+    # Every replica's clock starts at the first arrival (or the horizon before it), as a single engine's does.
+    first_hi = jnp.minimum(requests.arrival_hi[0], params.horizon_hi)
+    starts = replace(params, horizon_hi=first_hi, horizon_lo=jnp.where(
+        requests.arrival_hi[0] < params.horizon_hi, requests.arrival_lo[0], params.horizon_lo))
+    replicas = jax.vmap(lambda t, p: engine.init_state(t, p, num_slots, queue_shape))(traces, starts)
+    cs = ClusterState(
+        replicas=replicas, traces=traces, routed=jnp.zeros(lanes, i32),
+        replica_of=jnp.full((num_configs, n), NOT_ROUTED, i32), row_of=jnp.zeros((num_configs, n), i32),
+        next_request=jnp.zeros(num_configs, i32), routed_count=jnp.zeros(num_configs, i32),
+        seen=jnp.zeros((num_configs, num_replicas, len(SIGNALS)), f32),
+        reported_hi=jnp.full(num_configs, -jnp.inf, f32), reported_lo=jnp.zeros(num_configs, f32),
+        finished=jnp.zeros(num_configs, bool),
+    )
+    cs = jax.lax.while_loop(
+        lambda cs: ~jnp.all(cs.finished) & ~_outgrown(cs),
+        lambda cs: _cluster_iteration(requests, draws, params, router, cs, cost_fn, num_slots, queue, num_replicas),
+        cs,
+    )
+    return replace(cs, replicas=jax.vmap(engine.flush_running)(cs.replicas))
+
+
+run_cluster_jit = jax.jit(run_cluster, static_argnames=("cost_fn", "num_slots", "queue_shape", "num_replicas"))
