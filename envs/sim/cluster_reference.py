@@ -1,10 +1,10 @@
 """The reference cluster: replicas of the reference simulator behind a router, one arrival at a time.
 
 The executable specification of docs/engine-semantics.md's "Replicas and the router", written to be read,
-not to be fast. Each replica is a reference engine (envs/sim/reference.py) that requests join as it runs.
-For each arrival in arrival order (and, with ``signal_delay_s``, first the last load report before it), every
-replica runs every step that starts before that moment; the router then reads their load and sends the
-request on. A tenant's rate limit refuses a request at the router. The JAX cluster (envs/sim/cluster.py)
+not to be fast. Each replica is a reference engine (envs/sim/reference.py). For each arrival in arrival order
+(and, with ``signal_delay_s``, for the last load report before it) every replica's share so far is replayed
+from the start, stopped at that moment (every step that starts before it run, no decision at or after it
+taken); the router reads their load and sends the request on. A tenant's rate limit refuses a request at the router. The JAX cluster (envs/sim/cluster.py)
 implements the same rules independently; the differential tests compare the two.
 """
 from __future__ import annotations
@@ -15,11 +15,8 @@ from typing import Optional
 import numpy as np
 
 from servetune.config import ClusterConfig, SchedulerConfig
-from servetune.envs.sim.outcome import (
-    NOT_ARRIVED, NOT_ROUTED, ClusterOutcome, SimulationOutcome, idle_outcome, merged_outcome,
-)
-from servetune.envs.sim.queue_order import predicted_output_tokens, relative_arrivals_s, ttft_budgets_s
-from servetune.envs.sim.reference import CostFn, _Engine, _Request, simulate_reference
+from servetune.envs.sim.outcome import NOT_ROUTED, ClusterOutcome, SimulationOutcome, idle_outcome, merged_outcome
+from servetune.envs.sim.reference import CostFn, _Engine
 from servetune.envs.workload.requests import Workload, take_rows
 
 SIGNAL_NAMES = ("queue", "running", "kv_utilization")
@@ -96,33 +93,30 @@ def simulate_cluster_reference(workload: Workload, scheduler: SchedulerConfig, c
                                cost_fn: CostFn, cost_params, horizon_s: Optional[float] = None,
                                ttft_slo_ms: Optional[np.ndarray] = None,
                                rate_limited: Optional[np.ndarray] = None) -> ClusterOutcome:
+    """Route each arrival in arrival order from the replicas' load at that moment, then serve each replica's
+    share as a lone engine would. A replica's load at time t is read off the single-engine reference run of the
+    requests sent to it so far, stopped at t (every step that starts before t run, no decision at or after t
+    taken): the plain definition, replayed from the start for every decision."""
     n = workload.num_requests
     refused = np.zeros(n, bool) if rate_limited is None else np.asarray(rate_limited, bool)
-    if cluster.replicas == 1:
-        outcome = simulate_reference(workload, scheduler, cost_fn, cost_params, horizon_s, ttft_slo_ms, refused)
-        replica = np.where((outcome.requests.status != NOT_ARRIVED) & ~refused, 0, NOT_ROUTED)
-        return ClusterOutcome(outcome, replica, (outcome,))
+    slos = np.full(n, np.inf) if ttft_slo_ms is None else np.asarray(ttft_slo_ms, float)
     horizon = math.inf if horizon_s is None else float(horizon_s)
-    start_s = min(float(workload.arrival_s[0]) if n else 0.0, horizon)
-    empty = take_rows(workload, np.zeros(0, np.int64), np.zeros(0))
-    replicas = []
-    for _ in range(cluster.replicas):
-        engine = _Engine(empty, scheduler, cost_fn, cost_params, None, None)
-        engine.clock = start_s
-        replicas.append(engine)
     router = _Router(cluster, n)
-    predicted = predicted_output_tokens(workload, scheduler.length_prediction_noise)
-    relative = relative_arrivals_s(workload)
-    budgets = ttft_budgets_s(np.full(n, np.inf) if ttft_slo_ms is None else ttft_slo_ms)
     replica_of = np.full(n, NOT_ROUTED, np.int64)
-    rows: list[list[int]] = [[] for _ in replicas]
+    shares: list[list[int]] = [[] for _ in range(cluster.replicas)]
+
+    def replica(r: int, until_s: Optional[float]) -> _Engine:
+        ids = np.asarray(shares[r], np.int64)
+        engine = _Engine(take_rows(workload, ids, workload.arrival_s[ids]), scheduler, cost_fn, cost_params,
+                         until_s, slos[ids])
+        engine.run()
+        return engine
+
+    def loads(at_s: float) -> list[tuple]:
+        return [_signals(replica(r, at_s)) for r in range(cluster.replicas)]
+
     seen: Optional[list] = None
     reported_at = -math.inf
-
-    def run_all_until(t):
-        for engine in replicas:
-            engine.run_until(t)
-
     for i in range(n):
         arrival = float(workload.arrival_s[i])
         if arrival >= horizon:
@@ -130,24 +124,20 @@ def simulate_cluster_reference(workload: Workload, scheduler: SchedulerConfig, c
         if cluster.signal_delay_s > 0:
             report = _report_time(arrival, cluster.signal_delay_s)
             if report > reported_at:
-                run_all_until(report)
-                seen, reported_at = [_signals(e) for e in replicas], report
-        run_all_until(arrival)
+                seen, reported_at = loads(report), report
         if refused[i]:
             continue
-        signals = seen if cluster.signal_delay_s > 0 else [_signals(e) for e in replicas]
-        r = router.choose(i, signals)
+        r = router.choose(i, seen if cluster.signal_delay_s > 0 else loads(arrival))
         replica_of[i] = r
-        rows[r].append(i)
-        replicas[r].add_request(_Request(
-            arrival, int(workload.prompt_tokens[i]), int(workload.output_tokens[i]), tenant=int(workload.tenant[i]),
-            priority=int(workload.priority[i]), predicted_output=int(predicted[i]), arrival_rel_s=float(relative[i]),
-            ttft_budget_s=float(budgets[i])))
-    run_all_until(horizon)
+        shares[r].append(i)
 
+    start_s = min(float(workload.arrival_s[0]) if n else 0.0, horizon)
     outcomes: list[SimulationOutcome] = []
-    for engine, ids in zip(replicas, rows):
-        own = engine.outcome()
+    for r, ids in enumerate(shares):
+        if not ids:
+            outcomes.append(idle_outcome(workload, start_s))
+            continue
+        own = replica(r, horizon_s).outcome()
         spread = idle_outcome(workload, own.totals.end_s)
         columns = {name: np.array(getattr(spread.requests, name), dtype=np.asarray(getattr(own.requests, name)).dtype)
                    for name in own.requests.__dataclass_fields__}

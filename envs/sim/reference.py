@@ -277,20 +277,6 @@ class _Engine:
         total_tokens = sum(r.prompt + r.output for r in self.requests)
         self.max_iterations = 100 * (total_tokens + len(self.requests)) + 1000
 
-    # -- a replica behind a router (envs/sim/cluster_reference.py): requests join as it runs -----------
-
-    def add_request(self, request: _Request) -> None:
-        """A request sent here while the run goes on; it arrives no earlier than those sent before it."""
-        request.index = len(self.requests)
-        self.requests.append(request)
-        self.rate_limited = [*self.rate_limited, False]   # the router applied the tenants' limits
-        self.max_iterations += 100 * (request.prompt + request.output + 1)
-
-    def run_until(self, horizon_s: float) -> None:
-        """Run every step that starts before ``horizon_s``, stopping at the first boundary at or after it."""
-        self.horizon_s = horizon_s
-        self.run()
-
     # -- the main loop: vLLM's EngineCore.step_with_batch_queue (vllm/v1/engine/core.py) ----------------
 
     def run(self) -> None:
