@@ -12,16 +12,18 @@ Every request is judged against its own SLOs (``RequestSlos``: a tenant's class 
 from __future__ import annotations
 
 import csv
+import dataclasses
 from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
 
 from servetune.envs.sim.outcome import (
-    COMPLETED, NOT_ARRIVED, REJECT_NAMES, REJECTED, STATUS_NAMES, UNFINISHED, SimulationOutcome, itl_bin_edges,
+    COMPLETED, NOT_ARRIVED, NOT_ROUTED, REJECT_NAMES, REJECTED, STATUS_NAMES, UNFINISHED, ClusterOutcome,
+    RequestOutcomes, SimulationOutcome, itl_bin_edges,
 )
 from servetune.envs.workload.slos import RequestSlos
-from servetune.envs.workload.requests import Workload
+from servetune.envs.workload.requests import Workload, take_rows
 
 # The percentiles run.json reports unless told otherwise (``servetune simulate --metric-percentiles``).
 DEFAULT_PERCENTILES = (90.0, 99.0)
@@ -154,6 +156,43 @@ def compute_metrics(workload: Workload, outcome: SimulationOutcome, slos: Reques
     return metrics
 
 
+# compute_metrics' keys that say nothing about one replica: every request routed to it arrived, and the count of
+# requests cut to max_model_len is the workload's.
+WORKLOAD_WIDE_KEYS = ("not_arrived", "clipped_requests")
+# The replica segment of requests no replica was sent (refused at the router).
+NOT_ROUTED_SEGMENT = "not_routed"
+
+
+def cluster_metrics(workload: Workload, cluster: ClusterOutcome, slos: RequestSlos, num_kv_blocks: int,
+                    percentiles: Sequence[float] = DEFAULT_PERCENTILES) -> dict:
+    """Each replica as a run of its own, and how the router split the load.
+
+    ``replicas``: per replica, its index, ``routed`` (requests sent to it) and ``compute_metrics`` over exactly
+    those requests (its duration, its ``num_kv_blocks``), less ``WORKLOAD_WIDE_KEYS``. ``routing_split``: each
+    replica's share of the routed requests. ``load_imbalance``: the busiest replica's routed requests over the
+    mean per replica (1 = even, the number of replicas = all on one). Both null when nothing was routed."""
+    routed = np.array([np.count_nonzero(cluster.replica == r) for r in range(len(cluster.replicas))])
+    replicas = []
+    for r, outcome in enumerate(cluster.replicas):
+        rows = np.flatnonzero(cluster.replica == r)
+        own = compute_metrics(take_rows(workload, rows, workload.arrival_s[rows]), _rows_of(outcome, rows),
+                              RequestSlos(*(np.asarray(limit)[rows] for limit in slos)), num_kv_blocks, percentiles)
+        replicas.append({"replica": r, "routed": int(routed[r]),
+                         **{key: value for key, value in own.items() if key not in WORKLOAD_WIDE_KEYS}})
+    total = int(routed.sum())
+    return {
+        "replicas": replicas,
+        "routing_split": [float(count / total) for count in routed] if total else None,
+        "load_imbalance": float(routed.max() / routed.mean()) if total else None,
+    }
+
+
+def _rows_of(outcome: SimulationOutcome, rows: np.ndarray) -> SimulationOutcome:
+    """``outcome``'s requests ``rows`` (as ``take_rows`` takes a workload's), its totals as they are."""
+    columns = {f.name: np.asarray(getattr(outcome.requests, f.name))[rows] for f in dataclasses.fields(RequestOutcomes)}
+    return SimulationOutcome(RequestOutcomes(**columns), outcome.totals)
+
+
 def _itl_summary(workload: Workload, outcome: SimulationOutcome, completed: np.ndarray,
                  percentiles: Sequence[float] = DEFAULT_PERCENTILES) -> dict:
     """Pooled ITL: exact mean and std from per-request sums; percentiles from the gap histogram."""
@@ -200,8 +239,10 @@ def readable_window_s(duration_s: float) -> float:
 
 
 def segment_metrics(workload: Workload, outcome: SimulationOutcome, slos: RequestSlos,
-                    window_s: Optional[float] = None) -> dict:
-    """The run split four ways, by tenant, priority, prompt tokens and arrival time window.
+                    window_s: Optional[float] = None, replica: Optional[np.ndarray] = None) -> dict:
+    """The run split four ways, by tenant, priority, prompt tokens and arrival time window, and for a cluster
+    (``replica``: each request's, ``ClusterOutcome.replica``) a fifth, by replica ("not_routed" for requests
+    refused at the router).
 
     ``{dimension: {segment name: counts and latencies}}``; every arrived request is in exactly one segment of
     each dimension, and segments with no arrivals are left out. A segment's ``request_goodput`` divides by the
@@ -229,12 +270,16 @@ def segment_metrics(workload: Workload, outcome: SimulationOutcome, slos: Reques
     # Window k covers [k * width, (k + 1) * width) on the workload's clock, as requests.csv gives arrivals.
     window = np.floor(np.where(req.status != NOT_ARRIVED, req.arrival_s, 0.0) / width).astype(np.int64)
     bucket = np.searchsorted([bound for bound, _ in PROMPT_BUCKETS[:-1]], workload.prompt_tokens, side="right")
-    return {
+    dimensions = {
         "tenant": segments(workload.tenant, lambda i: workload.tenant_names[i]),
         "priority": segments(workload.priority, lambda p: str(int(p))),
         "prompt_tokens": segments(bucket, lambda i: PROMPT_BUCKETS[i][1]),
         "time_window": segments(window, lambda k: f"{_seconds(k * width)}-{_seconds((k + 1) * width)}s"),
     }
+    if replica is not None:
+        dimensions["replica"] = segments(np.asarray(replica),
+                                         lambda r: NOT_ROUTED_SEGMENT if r == NOT_ROUTED else str(int(r)))
+    return dimensions
 
 
 def _request_latencies_ms(workload: Workload, outcome: SimulationOutcome) -> dict[str, np.ndarray]:
@@ -282,20 +327,27 @@ def _seconds(value: float) -> str:
     return np.format_float_positional(round(value, 6), trim="-")
 
 
-def write_requests_csv(path: Path, workload: Workload, outcome: SimulationOutcome) -> None:
-    """One row per arrived request; requests past the horizon never arrived and are counted in run.json."""
+def write_requests_csv(path: Path, workload: Workload, outcome: SimulationOutcome,
+                       replica: Optional[np.ndarray] = None) -> None:
+    """One row per arrived request; requests past the horizon never arrived and are counted in run.json.
+    For a cluster (``replica``: each request's, ``ClusterOutcome.replica``) a last column names the replica it
+    was sent to, empty for a request refused at the router."""
     req = outcome.requests
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["id", "arrival_s", "first_token_s", "finish_s", "prompt_tokens", "output_tokens",
-                         "preemptions", "status", "reject_reason", "generated_tokens"])
+                         "preemptions", "status", "reject_reason", "generated_tokens"]
+                        + ([] if replica is None else ["replica"]))
         for i in np.flatnonzero(req.status != NOT_ARRIVED):
-            writer.writerow([
+            row = [
                 int(i), _time(req.arrival_s[i]), _time(req.first_token_s[i]), _time(req.finish_s[i]),
                 int(workload.prompt_tokens[i]), int(workload.output_tokens[i]), int(req.preemptions[i]),
                 STATUS_NAMES[int(req.status[i])], REJECT_NAMES[int(req.reject_reason[i])],
                 int(req.generated_tokens[i]),
-            ])
+            ]
+            if replica is not None:
+                row.append("" if replica[i] == NOT_ROUTED else int(replica[i]))
+            writer.writerow(row)
 
 
 def _time(value: float) -> str:

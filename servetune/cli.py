@@ -98,7 +98,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     from servetune.config_loader import load_config
     from servetune.envs.metrics import MIN_WINDOW_S, write_requests_csv
     from servetune.envs.vllm_format import itl_mismatch_warning, parse_percentile_metrics, parse_percentiles
-    from servetune.pipeline import run_document, simulate_config
+    from servetune.pipeline import CLUSTER_DETAIL_REFUSAL, run_document, simulate_config
 
     if args.window_s is not None and not args.window_s >= MIN_WINDOW_S:
         raise UserError(f"--window-s: got {args.window_s}, expected a width of at least {MIN_WINDOW_S} s")
@@ -111,6 +111,8 @@ def run_simulate(args: argparse.Namespace) -> int:
         if path is not None:
             check_output_file(path, flag)
     config = load_config(args.config, args.overrides)
+    if args.save_detailed and config.cluster is not None:
+        raise UserError(CLUSTER_DETAIL_REFUSAL)
     report = simulate_config(config, args.window_s, percentiles)
     console = Console()
     _print_report(console, args.config, report, percentile_metrics)
@@ -123,7 +125,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         if warning:
             print(f"servetune: warning: {warning}", file=sys.stderr)
     if args.requests_out:
-        write_requests_csv(args.requests_out, report.workload, report.outcome)
+        write_requests_csv(args.requests_out, report.workload, report.outcome, report.replica)
         console.print(f"wrote {args.requests_out}")
     if report.outcome.totals.truncated:
         print("servetune: warning: the run hit the engine's iteration guard and stopped early; "
@@ -184,8 +186,11 @@ def _print_report(console: Console, source: str, report,
     # Unset, max_model_len is what the KV cache holds (SchedulerConfig.model_len_limit).
     kv_bound = " (what the KV cache holds)" if scheduler.max_model_len is None else ""
     experts = " with expert parallelism" if config.hardware.enable_expert_parallel else ""
+    cluster = config.cluster
+    replicas = "" if cluster is None else f" in each of {cluster.replicas} replicas behind {cluster.router} routing"
     console.print(f"[bold]{source}[/bold]: {report.workload.description}; {config.model} on "
-                  f"{config.hardware.gpu_name} ×{config.hardware.tp}{experts}, {config.cost_model.kind} cost model, "
+                  f"{config.hardware.gpu_name} ×{config.hardware.tp}{experts}{replicas}, "
+                  f"{config.cost_model.kind} cost model, "
                   f"{scheduler.policy} batching, {'async' if scheduler.pipelined else 'synchronous'} scheduling, "
                   f"max_model_len {scheduler.model_len_limit}{kv_bound}")
 
@@ -208,7 +213,7 @@ def _print_report(console: Console, source: str, report,
     if attainment is not None:
         met = attainment >= slo.attainment_target
         verdict = f" — {'[green]meets' if met else '[red]misses'} the {slo.attainment_target:.0%} target[/]"
-    rate = lambda v: "—" if v is None else f"{v:,.2f}"  # noqa: E731
+    rate = _rate
     reasons = ", ".join(f"{k} {v}" for k, v in m["rejected_by_reason"].items() if v)
     summary = Table(show_header=False, box=None, pad_edge=False)
     summary.add_column(style="bold")
@@ -236,15 +241,42 @@ def _print_report(console: Console, source: str, report,
         colour = "green" if segment["slo_attainment"] >= slo.attainment_target else "red"
         summary.add_row("worst segment", f"{dimension} {escape(name)}: [{colour}]{segment['slo_attainment']:.1%}[/] "
                                          f"attained, {latency_text}")
+    # A cluster's KV occupancy is over every replica's blocks, its steps all replicas' (compute_metrics' totals).
+    pools = "" if cluster is None else f"{cluster.replicas} × "
     summary.add_row("engine", f"{m['preemptions']} preemptions, mean batch {_num(m['mean_batch_size'])}, "
-                              f"KV occupancy {_pct(m['mean_kv_utilization'])} of {scheduler.num_kv_blocks:,} "
+                              f"KV occupancy {_pct(m['mean_kv_utilization'])} of {pools}{scheduler.num_kv_blocks:,} "
                               f"blocks, {m['engine_steps']:,} steps over {m['duration_s']:,.1f} s")
     if m["prefix_cache_hit_rate"] is not None:
         summary.add_row("prefix cache", f"{_pct(m['prefix_cache_hit_rate'])} of prompt blocks found cached")
     t = report.timing
-    summary.add_row("wall time", f"load {t['load_s']:.2f} s, compile {t['compile_s']:.2f} s, "
-                                 f"simulate {t['simulate_s']:.2f} s")
+    if cluster is None:
+        summary.add_row("wall time", f"load {t['load_s']:.2f} s, compile {t['compile_s']:.2f} s, "
+                                     f"simulate {t['simulate_s']:.2f} s")
+    else:
+        summary.add_row("wall time", f"load {t['load_s']:.2f} s, compile and simulate "
+                                     f"{t['compile_and_simulate_s']:.2f} s")
     console.print(summary)
+    if report.cluster is not None:
+        console.print(_replica_table(report.cluster))
+
+
+def _replica_table(cluster: dict) -> Table:
+    """Each replica as its own run (run.json's ``replicas``), with its share of the routed requests."""
+    imbalance = cluster["load_imbalance"]
+    title = (f"replicas ({cluster['num_gpus']} GPUs; load imbalance {'—' if imbalance is None else f'{imbalance:.2f}'}"
+             f", busiest over mean; goodput in req/s, TTFT in ms, batch and KV occupancy means)")
+    table = Table(title=title, title_justify="left")
+    # The tail TTFT: the last percentile --metric-percentiles asked for (99 by default).
+    tail = [key for key in cluster["replicas"][0] if key.startswith("p") and key.endswith("_ttft_ms")][-1]
+    for column in ("replica", "routed", "share", "completed", "goodput", f"{tail[:-len('_ttft_ms')]} TTFT", "batch",
+                   "KV"):
+        table.add_column(column, justify="right")
+    split = cluster["routing_split"] or [None] * len(cluster["replicas"])
+    for replica, share in zip(cluster["replicas"], split):
+        table.add_row(str(replica["replica"]), f"{replica['routed']:,}", _pct(share), f"{replica['completed']:,}",
+                      _rate(replica["request_goodput"]), _ms(replica[tail]),
+                      _num(replica["mean_batch_size"]), _pct(replica["mean_kv_utilization"]))
+    return table
 
 
 def _worst_segment(segments: dict) -> Optional[tuple[str, str, dict]]:
@@ -259,6 +291,10 @@ def _worst_segment(segments: dict) -> Optional[tuple[str, str, dict]]:
         return candidate[2]["slo_attainment"], -(float("inf") if p99_ttft is None else p99_ttft)
 
     return min(candidates, key=badness) if candidates else None
+
+
+def _rate(value: Optional[float]) -> str:
+    return "—" if value is None else f"{value:,.2f}"
 
 
 def _num(value: Optional[float]) -> str:

@@ -6,27 +6,34 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import numpy as np
+
 from servetune.config import Config
 from servetune.cost_models.catalog import resolve_model
 # The folder a config's relative model path is read from, as the KV-cache sizing reads it.
 from servetune.cost_models.factory import _config_dir, build_cost_model, derive_num_kv_blocks
-from servetune.envs.metrics import DEFAULT_PERCENTILES, compute_metrics, segment_metrics
+from servetune.envs.metrics import DEFAULT_PERCENTILES, cluster_metrics, compute_metrics, segment_metrics
+from servetune.envs.sim.cluster_simulator import simulate_cluster
 from servetune.envs.sim.outcome import SimulationOutcome
 from servetune.envs.sim.simulator import simulate_timed
 from servetune.envs.workload.admission import rate_limited
 from servetune.envs.workload.slos import per_request_slos
 from servetune.envs.workload.requests import Workload, build_workload
-from servetune.errors import ConfigError, InvalidValue
+from servetune.errors import ConfigError, InvalidValue, UserError
 
 
 @dataclass(frozen=True)
 class RunReport:
     config: Config             # fully resolved (e.g. num_kv_blocks derived from the hardware)
     workload: Workload
-    outcome: SimulationOutcome
+    outcome: SimulationOutcome  # a cluster's as one run (ClusterOutcome.outcome)
     metrics: dict              # compute_metrics' keys, as a search's trials carry them
     segments: dict             # segment_metrics: the same run by tenant, priority, prompt length, time window
-    timing: dict               # load_s, compile_s, simulate_s (simulate_s excludes compilation)
+                               # (and replica, for a cluster)
+    timing: dict               # load_s, compile_s, simulate_s (simulate_s excludes compilation); for a cluster
+                               # compile_s and simulate_s are None and compile_and_simulate_s is both together
+    replica: Optional[np.ndarray] = None   # a cluster: each request's replica (ClusterOutcome.replica); else None
+    cluster: Optional[dict] = None         # a cluster: run.json's num_gpus and cluster_metrics' keys; else None
 
 
 def fill_derived(config: Config) -> Config:
@@ -143,13 +150,34 @@ def simulate_config(config: Config, window_s: Optional[float] = None,
     cost_fn, cost_params = build_cost_model(config)
     load_s = time.perf_counter() - start
     slos = per_request_slos(config, workload)
-    outcome, compile_s, simulate_s = simulate_timed(
-        workload, config.scheduler, cost_fn, cost_params, config.simulation.horizon_s, slos.ttft_ms,
-        rate_limited(workload, config.workload.tenants))
-    metrics = compute_metrics(workload, outcome, slos, config.scheduler.num_kv_blocks, percentiles)
-    segments = segment_metrics(workload, outcome, slos, window_s)
-    timing = {"load_s": load_s, "compile_s": compile_s, "simulate_s": simulate_s}
-    return RunReport(config, workload, outcome, metrics, segments, timing)
+    limited = rate_limited(workload, config.workload.tenants)
+    num_kv_blocks = config.scheduler.num_kv_blocks
+    if config.cluster is None:
+        outcome, compile_s, simulate_s = simulate_timed(
+            workload, config.scheduler, cost_fn, cost_params, config.simulation.horizon_s, slos.ttft_ms, limited)
+        metrics = compute_metrics(workload, outcome, slos, num_kv_blocks, percentiles)
+        segments = segment_metrics(workload, outcome, slos, window_s)
+        timing = {"load_s": load_s, "compile_s": compile_s, "simulate_s": simulate_s}
+        return RunReport(config, workload, outcome, metrics, segments, timing)
+    # The cluster simulator compiles inside its call (the lock-step engine's tables may grow and recompile), so
+    # its compilation is not timed apart: one figure, honestly named, rather than a guessed split.
+    start = time.perf_counter()
+    run = simulate_cluster(workload, config.scheduler, config.cluster, cost_fn, cost_params,
+                           config.simulation.horizon_s, slos.ttft_ms, limited)
+    timing = {"load_s": load_s, "compile_s": None, "simulate_s": None,
+              "compile_and_simulate_s": time.perf_counter() - start}
+    # Every replica has the scheduler's num_kv_blocks, so the cluster's KV occupancy is over all of them.
+    metrics = compute_metrics(workload, run.outcome, slos, config.cluster.replicas * num_kv_blocks, percentiles)
+    segments = segment_metrics(workload, run.outcome, slos, window_s, run.replica)
+    cluster = {"num_gpus": config.cluster.replicas * config.hardware.tp,
+               **cluster_metrics(workload, run, slos, num_kv_blocks, percentiles)}
+    return RunReport(config, workload, run.outcome, metrics, segments, timing, run.replica, cluster)
+
+
+# run_document's refusal of --save-detailed with a cluster (the CLI says it before simulating).
+CLUSTER_DETAIL_REFUSAL = ("--save-detailed: the per-request gaps and the schedule come from the single-engine "
+                          "reference simulator, which does not run replicas behind a router; drop --save-detailed "
+                          "or the config's cluster section")
 
 
 def reference_run(report: RunReport):
@@ -178,15 +206,19 @@ def run_document(report: RunReport, *, percentiles: Sequence[float] = DEFAULT_PE
                  label: Optional[str] = None) -> dict:
     """run.json: the run as `vllm bench serve --save-result [--save-detailed]` writes it
     (``servetune.envs.vllm_format.vllm_result``), then servetune's own metrics, segments, timing, workload,
-    resolved config and software versions. ``percentiles`` must be those ``simulate_config`` computed.
-    ``save_detailed`` adds vLLM's per-request arrays and servetune's ``servetune_slots`` and
-    ``servetune_timeline`` (envs/timeline.py), all from one reference run (``reference_run``)."""
+    resolved config and software versions; for a cluster, after servetune's metrics, ``num_gpus``, ``replicas``,
+    ``routing_split`` and ``load_imbalance`` (``cluster_metrics``). ``percentiles`` must be those
+    ``simulate_config`` computed. ``save_detailed`` (refused for a cluster) adds vLLM's per-request arrays and
+    servetune's ``servetune_slots`` and ``servetune_timeline`` (envs/timeline.py), all from one reference run
+    (``reference_run``)."""
     from servetune.envs.sim.simulator import prefix_cache_hits
     from servetune.envs.timeline import schedule_timeline
     from servetune.envs.vllm_format import DEFAULT_PERCENTILE_METRICS, vllm_result
     from servetune.envs.metrics import statistics
     from servetune.versions import software_versions
 
+    if save_detailed and report.cluster is not None:
+        raise UserError(CLUSTER_DETAIL_REFUSAL)
     chosen = DEFAULT_PERCENTILE_METRICS if percentile_metrics is None else tuple(percentile_metrics)
     detail = reference_run(report) if save_detailed else None
     vllm = vllm_result(report.workload, report.outcome, report.metrics, workload_config=report.config.workload,
@@ -202,6 +234,10 @@ def run_document(report: RunReport, *, percentiles: Sequence[float] = DEFAULT_PE
     skipped = {f"{stat}_{name}_ms" for name in DEFAULT_PERCENTILE_METRICS if name not in chosen
                for stat in statistics(percentiles)}
     own = {key: value for key, value in report.metrics.items() if key not in vllm and key not in skipped}
-    return {**vllm, **own, **timeline, "segments": report.segments, "timing": report.timing,
+    cluster = {}
+    if report.cluster is not None:
+        cluster = {**report.cluster, "replicas": [{key: value for key, value in replica.items() if key not in skipped}
+                                                  for replica in report.cluster["replicas"]]}
+    return {**vllm, **own, **cluster, **timeline, "segments": report.segments, "timing": report.timing,
             "workload": report.workload.description, "config": report.config.to_dict(),
             "software": software_versions()}
