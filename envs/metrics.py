@@ -171,10 +171,13 @@ def cluster_metrics(workload: Workload, cluster: ClusterOutcome, slos: RequestSl
     those requests (its duration, its ``num_kv_blocks``), less ``WORKLOAD_WIDE_KEYS``. ``routing_split``: each
     replica's share of the routed requests. ``load_imbalance``: the busiest replica's routed requests over the
     mean per replica (1 = even, the number of replicas = all on one). Both null when nothing was routed."""
-    routed = np.array([np.count_nonzero(cluster.replica == r) for r in range(len(cluster.replicas))])
+    num_replicas = len(cluster.replicas)
+    sent = cluster.replica != NOT_ROUTED
+    routed = np.bincount(cluster.replica[sent], minlength=num_replicas)
+    # Each replica's rows in workload order, grouped in one stable sort rather than a pass per replica.
+    order = np.flatnonzero(sent)[np.argsort(cluster.replica[sent], kind="stable")]
     replicas = []
-    for r, outcome in enumerate(cluster.replicas):
-        rows = np.flatnonzero(cluster.replica == r)
+    for r, (outcome, rows) in enumerate(zip(cluster.replicas, np.split(order, np.cumsum(routed)[:-1]))):
         own = compute_metrics(take_rows(workload, rows, workload.arrival_s[rows]), _rows_of(outcome, rows),
                               RequestSlos(*(np.asarray(limit)[rows] for limit in slos)), num_kv_blocks, percentiles)
         replicas.append({"replica": r, "routed": int(routed[r]),

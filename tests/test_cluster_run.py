@@ -12,6 +12,13 @@ import pytest
 
 from servetune.cli import main
 from servetune.config_loader import load_config
+from servetune.envs.metrics import cluster_metrics, segment_metrics
+from servetune.envs.sim.outcome import (
+    COMPLETED, ITL_HIST_BINS, NOT_ARRIVED, NOT_ROUTED, ClusterOutcome, EngineTotals, RequestOutcomes,
+    SimulationOutcome, idle_outcome, merged_outcome,
+)
+from servetune.envs.workload.requests import Workload
+from servetune.envs.workload.slos import RequestSlos
 from servetune.pipeline import simulate_config
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -36,6 +43,46 @@ def _routed_counts(rows) -> list[int]:
     """Requests per replica, counted from requests.csv's replica column."""
     counts = Counter(row["replica"] for row in rows if row["replica"] != "")
     return [counts[str(r)] for r in range(REPLICAS)]
+
+
+def _replica_outcome(served: dict, end_s: float, kv_block_seconds: float) -> SimulationOutcome:
+    """Four requests, those in ``served`` ({id: (arrival, first token, finish)}) completed, two tokens each."""
+    status = np.array([COMPLETED if i in served else NOT_ARRIVED for i in range(4)])
+    column = lambda k: np.array([served[i][k] if i in served else np.nan for i in range(4)])  # noqa: E731
+    done = (status == COMPLETED).astype(np.int64)
+    gap = column(2) - column(1)
+    requests = RequestOutcomes(status, column(0), np.zeros(4, np.int64), column(1), column(2), 2 * done,
+                               np.zeros(4, np.int64), gap, np.nan_to_num(gap) ** 2)
+    return SimulationOutcome(requests, EngineTotals(end_s, 2 * len(served), 2 * len(served), kv_block_seconds,
+                                                    0.0, np.zeros(ITL_HIST_BINS, np.int64)))
+
+
+def test_cluster_metrics_by_hand():
+    # Three replicas: requests 0 and 3 to replica 0, request 1 to replica 1, request 2 refused at the router,
+    # replica 2 sent nothing. 100 KV blocks each.
+    workload = Workload(arrival_s=np.array([0.0, 1.0, 2.0, 3.0]), prompt_tokens=np.full(4, 100),
+                        output_tokens=np.full(4, 2), tenant=np.zeros(4, np.int64), priority=np.zeros(4, np.int64),
+                        tenant_names=("t",))
+    replica = np.array([0, 1, NOT_ROUTED, 0])
+    replicas = (_replica_outcome({0: (0.0, 0.1, 0.2), 3: (3.0, 3.1, 3.3)}, 3.3, 10.0),
+                _replica_outcome({1: (1.0, 1.5, 1.6)}, 1.6, 2.0), idle_outcome(workload, 0.0))
+    refused = np.array([False, False, True, False])
+    cluster = ClusterOutcome(merged_outcome(workload, replica, replicas, refused, None), replica, replicas)
+    slos = RequestSlos(*(np.full(4, np.inf) for _ in range(4)))
+    metrics = cluster_metrics(workload, cluster, slos, 100)
+    assert metrics["routing_split"] == [2 / 3, 1 / 3, 0.0]
+    assert metrics["load_imbalance"] == 2.0   # 2 requests on the busiest, 3 / 3 on average
+    first, second, idle = metrics["replicas"]
+    assert [first["routed"], first["arrived"], first["completed"]] == [2, 2, 2]
+    assert first["duration_s"] == pytest.approx(3.3)
+    assert first["mean_kv_utilization"] == pytest.approx(10.0 / (100 * 3.3))
+    assert first["mean_ttft_ms"] == pytest.approx(100.0)
+    assert [second["routed"], second["arrived"], second["completed"]] == [1, 1, 1]
+    assert second["duration_s"] == pytest.approx(0.6) and second["p99_ttft_ms"] == pytest.approx(500.0)
+    assert [idle["routed"], idle["arrived"], idle["duration_s"], idle["mean_kv_utilization"]] == [0, 0, 0.0, None]
+    segments = segment_metrics(workload, cluster.outcome, slos, replica=replica)["replica"]
+    assert {name: s["arrived"] for name, s in segments.items()} == {"not_routed": 1, "0": 2, "1": 1}
+    assert segments["not_routed"]["rejected"] == 1
 
 
 def test_one_replica_is_the_single_engine_bit_for_bit():
