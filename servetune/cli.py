@@ -213,20 +213,21 @@ def _print_report(console: Console, source: str, report,
     if attainment is not None:
         met = attainment >= slo.attainment_target
         verdict = f" — {'[green]meets' if met else '[red]misses'} the {slo.attainment_target:.0%} target[/]"
-    rate = _rate
     reasons = ", ".join(f"{k} {v}" for k, v in m["rejected_by_reason"].items() if v)
     summary = Table(show_header=False, box=None, pad_edge=False)
     summary.add_column(style="bold")
     summary.add_column()
-    summary.add_row("throughput", f"{rate(m['request_throughput'])} req/s, {rate(m['output_throughput'])} output tok/s, "
-                                  f"{rate(m['total_token_throughput'])} total tok/s")
+    summary.add_row("throughput", f"{_rate(m['request_throughput'])} req/s, "
+                                  f"{_rate(m['output_throughput'])} output tok/s, "
+                                  f"{_rate(m['total_token_throughput'])} total tok/s")
     # Requests of a tenant with a class SLO are judged by it instead (envs/workload/slos.py), so the row names them.
     classes = [escape(tenant.name) for tenant in (config.workload.tenants or ()) if tenant.slo is not None]
     exceptions = f"; tenants {', '.join(classes)} within their class SLOs" if classes else ""
-    summary.add_row("goodput", f"{rate(m['request_goodput'])} req/s within {', '.join(limits) or 'no SLO'}{exceptions}")
+    summary.add_row("goodput", f"{_rate(m['request_goodput'])} req/s within "
+                               f"{', '.join(limits) or 'no SLO'}{exceptions}")
     # vLLM's --goodput has no ITL key and one SLO for every request (envs/vllm_format.py); run.json has both.
     vllm_goodput = vllm_request_goodput(report.outcome, slo, m["duration"] or 0.0)
-    summary.add_row("vLLM goodput", f"{rate(vllm_goodput)} req/s as vLLM's --goodput judges (no ITL SLO)"
+    summary.add_row("vLLM goodput", f"{_rate(vllm_goodput)} req/s as vLLM's --goodput judges (no ITL SLO)"
                     if vllm_goodput is not None else "— (vLLM's --goodput takes ttft, tpot, e2el: none set)")
     summary.add_row("SLO attainment", ("—" if attainment is None else f"{attainment:.1%}") + verdict)
     clipped = f"; {m['clipped_requests']} clipped to max_model_len" if m["clipped_requests"] else ""
@@ -263,8 +264,9 @@ def _print_report(console: Console, source: str, report,
 def _replica_table(cluster: dict) -> Table:
     """Each replica as its own run (run.json's ``replicas``), with its share of the routed requests."""
     imbalance = cluster["load_imbalance"]
-    title = (f"replicas ({cluster['num_gpus']} GPUs; load imbalance {'—' if imbalance is None else f'{imbalance:.2f}'}"
-             f", busiest over mean; goodput in req/s, TTFT in ms, batch and KV occupancy means)")
+    shown = "—" if imbalance is None else f"{imbalance:.2f}"
+    title = (f"replicas ({cluster['num_gpus']} GPUs; load imbalance {shown}, busiest over mean; goodput in req/s, "
+             f"TTFT in ms, batch and KV occupancy means)")
     table = Table(title=title, title_justify="left")
     # The tail TTFT: the last percentile --metric-percentiles asked for (99 by default).
     tail = [key for key in cluster["replicas"][0] if key.startswith("p") and key.endswith("_ttft_ms")][-1]
