@@ -182,9 +182,14 @@ def _cluster_iteration(requests, draws, params, router, cs: ClusterState, cost_f
     # Run every replica of an unfinished config to the event (to the end once nothing is left to route).
     last = ~jnp.isfinite(hi)
     stop_hi, stop_lo = jnp.where(last, user_hi, hi), jnp.where(last, user_lo, lo)
-    stopped = replace(params, horizon_hi=per_lane(stop_hi), horizon_lo=per_lane(stop_lo))
-    running = per_lane(~cs.finished)
+    # A replica already standing at a boundary at or after the stop has no step to run before it: it stays
+    # ended, so that a lane with nothing to do costs no iteration (it takes in what was sent to it when its
+    # next decision is due, as it would have).
+    stop_hi, stop_lo = per_lane(stop_hi), per_lane(stop_lo)
+    behind = ~df_le(stop_hi, stop_lo, cs.replicas.clock_hi, cs.replicas.clock_lo)
+    running = per_lane(~cs.finished) & (behind | per_lane(last))
     replicas = replace(cs.replicas, ended=jnp.where(running, False, cs.replicas.ended))
+    stopped = replace(params, horizon_hi=stop_hi, horizon_lo=stop_lo)
     replicas = engine.while_any_live(
         lambda p, one, t: engine.iteration(t, p, one, cost_fn, num_slots, queue), stopped, replicas, cs.traces)
 
