@@ -382,6 +382,8 @@ class SloConfig:
 # router scores (its score is the weighted sum; the lowest-scored replica takes the request).
 ROUTERS = ("round_robin", "random", "least_outstanding", "least_kv", "power_of_two", "prefix_affinity", "weighted")
 ROUTER_FEATURES = ("queue", "running", "kv_utilization", "prefix_hit")
+# The routers that decide from the workload and their own draws alone, before the run.
+STATE_FREE_ROUTERS = ("round_robin", "random", "prefix_affinity")
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from pydantic import TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
 from servetune.config import (
-    MAX_CLOCK_S, MAX_KV_TOKENS, MAX_TOKEN_COUNT, ROUTER_FEATURES, STEERABLE_KNOBS, VALIDATION, ArrivalsConfig, ClusterConfig,
+    MAX_CLOCK_S, MAX_KV_TOKENS, MAX_TOKEN_COUNT, ROUTER_FEATURES, STATE_FREE_ROUTERS, STEERABLE_KNOBS, VALIDATION, ArrivalsConfig, ClusterConfig,
     Config, CostModelConfig,
     ColumnsConfig, Float, GpuDefinition, HardwareConfig, Int, KnobConfig, LengthsConfig, LognormalConfig, RampUpConfig,
     RangeRatioConfig, Rate, RlConfig, SchedulerConfig, SearchConfig, Seed, TenantConfig, TokenCount, WorkloadConfig,
@@ -944,15 +944,15 @@ def _check_cluster(config: Config, report: _Reporter) -> ClusterConfig:
                                "their own hardware, cost_model and scheduler are not simulated yet")
     if not _has_type(replicas, Int) or not 1 <= replicas <= MAX_REPLICAS:
         raise report.bad_value("cluster.replicas", replicas, f"an integer in [1, {MAX_REPLICAS}]")
-    if cluster.router == "prefix_affinity":
-        raise report.bad_value("cluster.router", cluster.router, "a router other than prefix_affinity, which is not "
-                               "simulated yet (each replica would need its own prefix cache)")
     if config.workload.sessions is not None:
         raise report.bad_value("workload.sessions", "a mapping", "null with a cluster: closed-loop sessions behind "
                                "a router are not simulated yet")
-    if config.scheduler.enable_prefix_caching:
-        raise report.bad_value("scheduler.enable_prefix_caching", True, "false with a cluster: a prefix cache per "
-                               "replica is not simulated yet")
+    if config.scheduler.enable_prefix_caching and cluster.router not in STATE_FREE_ROUTERS:
+        # Each replica's cache hits depend on the requests it gets, which a load-reading router decides as the
+        # run goes; the simulator computes hits before the run (envs/sim/prefix_cache.py).
+        raise report.bad_value("scheduler.enable_prefix_caching", True,
+                               f"false behind the {cluster.router} router: a prefix cache per replica is simulated "
+                               f"only behind {', '.join(STATE_FREE_ROUTERS)}")
     weights = cluster.router_weights
     if cluster.router != "weighted":
         if weights is not None:

@@ -197,3 +197,78 @@ def test_round_robin_over_one_seat_replicas_gives_the_hand_timeline():
         expected_finish = (np.arange(n) % 2) * 0.05 + step * (k + 1)
         np.testing.assert_allclose(out.outcome.requests.finish_s, expected_finish, rtol=1e-6)
         np.testing.assert_allclose(out.outcome.requests.first_token_s, expected_finish, rtol=1e-6)
+
+
+# -- prefix affinity and a prefix cache per replica ------------------------------------------------------
+
+UNIT = 4   # tokens per block hash
+
+
+def with_prefix_groups(workload: Workload, rng: np.random.Generator, groups: int) -> Workload:
+    """``workload`` with block hashes: each prompt's first unit is one of ``groups`` shared prefixes (ids
+    1000, 2000, ...: a stride that plain modulo would put on few replicas) or, for some, its own; the rest are
+    its own."""
+    units = -(-workload.prompt_tokens // UNIT)
+    offsets = np.concatenate([[0], np.cumsum(units)])
+    ids = 10**6 + np.arange(offsets[-1])
+    shared = rng.integers(-1, groups, workload.num_requests)   # -1: no shared prefix
+    first = offsets[:-1]
+    ids[first[shared >= 0]] = 1000 * (shared[shared >= 0] + 1)
+    return dataclasses.replace(workload, hash_offsets=offsets, hash_ids=ids.astype(np.int64), hash_block_tokens=UNIT)
+
+
+@pytest.mark.parametrize("router", ["round_robin", "random", "prefix_affinity"])
+def test_prefix_caches_per_replica_match_reference(router):
+    failures, hits = [], 0
+    for seed in range(20_300, 20_304):
+        rng = np.random.default_rng(seed)
+        for case in draw_group(seed)[:3]:
+            workload = with_prefix_groups(case.workload, rng, groups=3)
+            scheduler = dataclasses.replace(case.scheduler, enable_prefix_caching=True)
+            args = (workload, scheduler, cluster(router, 3, seed=seed), step_time_s, case.cost, case.horizon_s)
+            ref, got = simulate_cluster_reference(*args), simulate_cluster(*args)
+            hits += got.outcome.totals.prefix_hit_units
+            lines = differences(dataclasses.replace(case, workload=workload), ref.outcome, got.outcome)
+            if not np.array_equal(ref.replica, got.replica):
+                lines.insert(0, f"replicas {ref.replica.tolist()} vs {got.replica.tolist()}")
+            for field in ("prefix_hit_units", "prefix_looked_up_units"):
+                a, b = getattr(ref.outcome.totals, field), getattr(got.outcome.totals, field)
+                if a != b:
+                    lines.append(f"{field} {a} vs {b}")
+            if lines:
+                failures.append(f"{case.describe()}\n  " + "\n  ".join(lines[:6]))
+    assert not failures, f"{len(failures)} disagree; the first: {failures[0]}"
+    assert hits > 0
+
+
+def test_prefix_affinity_keeps_each_prefix_on_one_replica_and_every_later_request_hits():
+    # 4 prefix groups of one shared unit then one unit of its own, 40 requests, caches that never evict.
+    # prefix_affinity puts a group on one replica, so every request but each group's first hits its prefix:
+    # 40 - 4 hits. Round robin spreads a group over the replicas: each replica's first request of a group misses.
+    n, groups, replicas = 40, 4, 4
+    group = np.arange(n) % groups
+    workload = Workload.from_lists(np.arange(n) * 0.5, np.full(n, 2 * UNIT), np.ones(n))
+    ids = np.stack([1000 * (group + 1), 10**6 + np.arange(n)], axis=1).ravel()
+    workload = dataclasses.replace(workload, hash_offsets=np.arange(0, 2 * n + 1, 2), hash_ids=ids,
+                                   hash_block_tokens=UNIT)
+    scheduler = scheduler_config(enable_prefix_caching=True)
+    by_router = {}
+    for router in ("prefix_affinity", "round_robin"):
+        out = simulate_cluster(workload, scheduler, cluster(router, replicas), step_time_s, linear(0.01))
+        by_router[router] = out
+    affinity = by_router["prefix_affinity"]
+    for g in range(groups):
+        assert len(set(affinity.replica[group == g].tolist())) == 1
+    assert affinity.outcome.totals.prefix_hit_units == n - groups
+    assert affinity.outcome.totals.prefix_looked_up_units == 2 * n
+    # Round robin with 4 groups over 4 replicas: request k goes to replica k mod 4 and has group k mod 4 --
+    # the same pairing, so it keeps groups together too; with 3 replicas each group visits every replica.
+    spread = simulate_cluster(workload, scheduler, cluster("round_robin", 3), step_time_s, linear(0.01))
+    assert spread.outcome.totals.prefix_hit_units == n - groups * 3
+
+
+def test_prefix_caching_behind_a_load_reading_router_is_refused():
+    workload = Workload.from_lists([0.0, 0.1], [8, 8], [1, 1])
+    scheduler = scheduler_config(enable_prefix_caching=True)
+    with pytest.raises(ValueError, match="prefix caching behind the least_outstanding router"):
+        simulate_cluster(workload, scheduler, cluster("least_outstanding", 2), step_time_s, linear(0.01))

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from servetune.config import ROUTER_FEATURES, ROUTERS
+from servetune.config import ROUTERS, STATE_FREE_ROUTERS
 from servetune.envs.sim import engine
 from servetune.envs.sim.double_float import df_le
 from servetune.envs.sim.outcome import NOT_ROUTED
@@ -37,7 +37,6 @@ from servetune.pytree import pytree_dataclass, replace
 
 f32, i32 = jnp.float32, jnp.int32
 
-STATE_FREE_ROUTERS = ("round_robin", "random")   # decide from the arrival order and the router's draws alone
 SIGNALS = ("queue", "running", "kv_utilization")   # what the weighted router scores (ROUTER_FEATURES' first three)
 ROUTER_CODE = {name: code for code, name in enumerate(ROUTERS)}
 
@@ -52,14 +51,43 @@ def router_draws(num_requests: int, num_replicas: int, seed: int) -> np.ndarray:
     return np.stack([first, second], axis=1).astype(np.int32)
 
 
-def static_assignment(router: str, num_replicas: int, routable: np.ndarray, draws: np.ndarray) -> np.ndarray:
+def _mixed(keys: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser: block hashes made as group * stride + offset would otherwise fall on few
+    replicas modulo R."""
+    z = keys.astype(np.uint64)
+    with np.errstate(over="ignore"):
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def affinity_keys(workload) -> np.ndarray:
+    """Per request, the id of its prompt's first block hash (docs/queue-orders.md, "Prefix caching"), or -1
+    when the prompt has none. Requests that share their first block share a prefix the router keeps together."""
+    keys = np.full(workload.num_requests, -1, np.int64)
+    if workload.hash_offsets is not None:
+        offsets = workload.hash_offsets
+        has = offsets[1:] > offsets[:-1]
+        keys[has] = workload.hash_ids[offsets[:-1][has]]
+    return keys
+
+
+def static_assignment(router: str, num_replicas: int, routable: np.ndarray, draws: np.ndarray,
+                      keys: Optional[np.ndarray] = None) -> np.ndarray:
     """A state-free router's replica for each request (NOT_ROUTED where not `routable`): round_robin sends
-    the k-th routable request to replica k mod R; random sends each to its draw."""
+    the k-th routable request to replica k mod R; random sends each to its draw; prefix_affinity sends each
+    request with a first block hash (``keys``, `affinity_keys`) to a replica fixed by that hash, and those
+    without one round robin among themselves."""
     replica = np.full(len(routable), NOT_ROUTED, np.int64)
     if router == "round_robin":
         replica[routable] = np.arange(int(routable.sum())) % num_replicas
     elif router == "random":
         replica[routable] = draws[routable, 0]
+    elif router == "prefix_affinity":
+        keyed = routable & (keys >= 0)
+        replica[keyed] = (_mixed(keys[keyed]) % np.uint64(num_replicas)).astype(np.int64)
+        unkeyed = routable & (keys < 0)
+        replica[unkeyed] = np.arange(int(unkeyed.sum())) % num_replicas
     else:
         raise ValueError(f"{router} reads the replicas' state; it routes while they run")
     return replica
@@ -131,7 +159,7 @@ def _choice(router: RouterParams, signals, draws, routed_count):
         jnp.argmin(outstanding),                                                # least_outstanding
         least_kv,                                                               # least_kv
         jnp.where(outstanding[second] < outstanding[first], second, first),     # power_of_two
-        first,                                                                  # prefix_affinity (refused by the loader)
+        first,                                                                  # prefix_affinity (routed before the run)
         jnp.argmin(score),                                                      # weighted
     ]).astype(i32)
     return by_kind[router.kind]

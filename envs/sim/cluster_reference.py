@@ -35,13 +35,31 @@ def _draws(num_requests: int, num_replicas: int, seed: int) -> list[tuple[int, i
     return pairs
 
 
+MASK64 = (1 << 64) - 1
+
+
+def _splitmix64_finaliser(key: int) -> int:
+    z = key & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)
+
+
+def _first_block_hash(workload: Workload, i: int) -> Optional[int]:
+    if workload.hash_offsets is None or workload.hash_offsets[i + 1] == workload.hash_offsets[i]:
+        return None
+    return int(workload.hash_ids[workload.hash_offsets[i]])
+
+
 class _Router:
-    def __init__(self, cluster: ClusterConfig, num_requests: int) -> None:
+    def __init__(self, cluster: ClusterConfig, workload: Workload) -> None:
         self.kind = cluster.router
         self.num_replicas = cluster.replicas
         self.weights = [np.float32(dict(cluster.router_weights or ()).get(name, 0.0)) for name in SIGNAL_NAMES]
-        self.draws = _draws(num_requests, cluster.replicas, cluster.seed)
+        self.draws = _draws(workload.num_requests, cluster.replicas, cluster.seed)
+        self.workload = workload
         self.sent = 0
+        self.sent_without_prefix = 0
 
     def choose(self, request_id: int, signals: list[tuple]) -> int:
         """The replica for a request, from each replica's (queue, running, kv_utilization); ties to the lowest
@@ -53,6 +71,13 @@ class _Router:
             choice = self.sent % self.num_replicas
         elif self.kind == "random":
             choice = first
+        elif self.kind == "prefix_affinity":
+            key = _first_block_hash(self.workload, request_id)
+            if key is None:
+                choice = self.sent_without_prefix % self.num_replicas
+                self.sent_without_prefix += 1
+            else:
+                choice = _splitmix64_finaliser(key) % self.num_replicas
         elif self.kind == "least_outstanding":
             choice = min(replicas, key=lambda r: (outstanding[r], r))
         elif self.kind == "least_kv":
@@ -101,7 +126,7 @@ def simulate_cluster_reference(workload: Workload, scheduler: SchedulerConfig, c
     refused = np.zeros(n, bool) if rate_limited is None else np.asarray(rate_limited, bool)
     slos = np.full(n, np.inf) if ttft_slo_ms is None else np.asarray(ttft_slo_ms, float)
     horizon = math.inf if horizon_s is None else float(horizon_s)
-    router = _Router(cluster, n)
+    router = _Router(cluster, workload)
     replica_of = np.full(n, NOT_ROUTED, np.int64)
     shares: list[list[int]] = [[] for _ in range(cluster.replicas)]
 

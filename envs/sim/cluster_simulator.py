@@ -46,7 +46,7 @@ def _start_s(workload: Workload, horizon_s: Optional[float]) -> float:
 
 def _static_run(workload, scheduler, cluster, cost_fn, cost_params, horizon_s, slos, refused, draws):
     replica = lockstep.static_assignment(cluster.router, cluster.replicas, routable(workload, horizon_s, refused),
-                                         draws)
+                                         draws, lockstep.affinity_keys(workload))
     shares = [np.flatnonzero(replica == r) for r in range(cluster.replicas)]
     served = [r for r, ids in enumerate(shares) if len(ids)]
     runs = simulate_seeds([take_rows(workload, shares[r], workload.arrival_s[shares[r]]) for r in served],
@@ -109,6 +109,12 @@ def simulate_cluster(workload: Workload, scheduler: SchedulerConfig, cluster: Cl
         return ClusterOutcome(outcome, replica, (outcome,))
     draws = lockstep.router_draws(n, cluster.replicas, cluster.seed)
     static = cluster.router in lockstep.STATE_FREE_ROUTERS and not while_running
+    if not static and cluster.router == "prefix_affinity":
+        raise ValueError("prefix_affinity routes before the run: it cannot route while the replicas run")
+    if not static and scheduler.enable_prefix_caching:
+        # Each replica's hits depend on the requests it was sent, decided only as the run goes.
+        raise ValueError(f"prefix caching behind the {cluster.router} router is not simulated: only behind a "
+                         f"router that decides before the run ({', '.join(lockstep.STATE_FREE_ROUTERS)})")
     run = _static_run if static else _lockstep_run
     replica, outcomes = run(workload, scheduler, cluster, cost_fn, cost_params, horizon_s, ttft_slo_ms, refused,
                             draws)

@@ -125,6 +125,8 @@ def merged_outcome(workload, replica: np.ndarray, replicas: Sequence[SimulationO
         in_system_seconds=sum(o.totals.in_system_seconds for o in replicas),
         itl_histogram=np.sum([o.totals.itl_histogram for o in replicas], axis=0),
         truncated=any(o.totals.truncated for o in replicas),
+        prefix_hit_units=sum(o.totals.prefix_hit_units for o in replicas),
+        prefix_looked_up_units=sum(o.totals.prefix_looked_up_units for o in replicas),
     )
     return SimulationOutcome(RequestOutcomes(**columns), totals)
 
