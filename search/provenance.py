@@ -118,7 +118,8 @@ _LATER_FIELDS = {
 
 
 # Top-level keys added later (vLLM's --quantization and --kv-cache-dtype), with their defaults: left out there too.
-_LATER_TOP_LEVEL_FIELDS = {"quantization": None, "kv_cache_dtype": "auto"}
+# The cluster section (issue 18) likewise: null, one engine and no router.
+_LATER_TOP_LEVEL_FIELDS = {"quantization": None, "kv_cache_dtype": "auto", "cluster": None}
 
 
 def _without_later_fields_at_default(data):
