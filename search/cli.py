@@ -368,7 +368,7 @@ def _export_study(args: argparse.Namespace):
     trial = chosen_trial(study, args.trial)
     chosen = trial_config(config, trial)
     predicted = {key: value for key, value in trial.user_attrs.items()
-                 if key not in ("spread", "scheduler", "hardware", "worker", "baseline", "rerun_of")}
+                 if key not in ("spread", "scheduler", "hardware", "cluster", "worker", "baseline", "rerun_of")}
     origin = provenance(config, BatchEvaluator().workload(config).description, args.study,
                         args.storage or DEFAULT_STORAGE, trial.number, trial.user_attrs.get("baseline"))
     policy = Policy(resolve(chosen), chosen.scheduler.num_kv_blocks is not None, predicted,

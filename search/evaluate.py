@@ -8,6 +8,10 @@ a neighbour's 512. Batches are padded (by repeating a config) to a power of two 
 
 A continuous-batching config whose max_num_seqs exceeds what its KV cache can ever hold runs with the cap
 lowered to that bound (see ``concurrency_bound``); the simulation is the same, only cheaper.
+
+A config with a cluster of more than one replica runs alone, through ``simulate_cluster`` (its replicas are the
+lanes of that call), and is scored on the whole cluster's outcome. One replica is the single engine exactly
+(``simulate_cluster``'s contract), so such a config batches with the others.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from typing import Any, Callable, Optional, Sequence
 from servetune.config import Config
 from servetune.cost_models.factory import build_cost_model
 from servetune.envs.metrics import compute_metrics
+from servetune.envs.sim.cluster_simulator import simulate_cluster
 from servetune.envs.sim.simulator import concurrency_bound, simulate_many, slot_schedule
 from servetune.envs.workload.admission import rate_limited
 from servetune.envs.workload.slos import per_request_slos
@@ -58,15 +63,20 @@ class BatchEvaluator:
         resolved = [resolve(config) for config in configs]
         groups: dict[Any, list[int]] = {}
         runnable = []
+        results: list[Optional[dict]] = [None] * len(configs)
         for index, config in enumerate(resolved):
             workload = self.workload(config)
             cost_fn, _ = self._cost_model(config)
             runnable.append(_runnable(config, workload))
+            if _replicas(config) > 1:
+                results[index] = self._simulate_cluster(runnable[-1], config)
+                if on_simulated:
+                    on_simulated(1)
+                continue
             # Configs that try the same slot tables run as one batch.
             slots = tuple(slot_schedule([runnable[-1].scheduler]))
             key = (config.workload, config.simulation.horizon_s, cost_fn, slots)
             groups.setdefault(key, []).append(index)
-        results: list[Optional[dict]] = [None] * len(configs)
         for indices in groups.values():
             for start in range(0, len(indices), self.batch_size):
                 chunk = indices[start:start + self.batch_size]
@@ -92,6 +102,23 @@ class BatchEvaluator:
              "truncated": outcome.totals.truncated}
             for config, outcome in zip(resolved, outcomes)
         ]
+
+
+    def _simulate_cluster(self, runnable: Config, resolved: Config) -> dict:
+        workload = self.workload(runnable)
+        cost_fn, cost_params = self._cost_model(runnable)
+        slos = per_request_slos(runnable, workload)
+        outcome = simulate_cluster(workload, runnable.scheduler, runnable.cluster, cost_fn, cost_params,
+                                   runnable.simulation.horizon_s, slos.ttft_ms,
+                                   rate_limited(workload, runnable.workload.tenants)).outcome
+        # compute_metrics divides KV block-seconds by the blocks it is given: the cluster's summed block-seconds
+        # over every replica's cache, so mean_kv_utilization is the cluster's share of all its blocks in use.
+        cluster_blocks = resolved.cluster.replicas * resolved.scheduler.num_kv_blocks
+        return {**compute_metrics(workload, outcome, slos, cluster_blocks), "truncated": outcome.totals.truncated}
+
+
+def _replicas(config: Config) -> int:
+    return 1 if config.cluster is None else config.cluster.replicas
 
 
 def _runnable(config: Config, workload: Workload) -> Config:

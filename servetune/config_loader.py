@@ -29,7 +29,7 @@ from typing import Annotated, Any, Callable, Literal, Optional, Sequence, Union
 
 import annotated_types
 import yaml
-from pydantic import TypeAdapter, ValidationError
+from pydantic import Field, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
 from servetune.config import (
@@ -1206,18 +1206,41 @@ def _check_queue_order(scheduler: SchedulerConfig, report: _Reporter) -> Schedul
 # The search section: knobs name fields of the searchable sections and stay inside those fields' rules;
 # scenarios are variants of the whole config and must each be a valid config.
 
+# The cluster's searchable knobs and their rules: replicas as the cluster section takes them (the field itself is
+# left loose so that a list of replica groups reaches its own message); one weight of the weighted router per
+# simulated signal (prefix-cache hits per replica are not simulated). The router's draws (seed) are no knob.
+CLUSTER_KNOBS: dict[str, Any] = {
+    "replicas": Annotated[Int, Field(ge=1, le=MAX_REPLICAS)],
+    "router": _fields(ClusterConfig)["router"],
+    "signal_delay_s": _fields(ClusterConfig)["signal_delay_s"],
+}
+ROUTER_WEIGHT_SIGNALS = tuple(signal for signal in ROUTER_FEATURES if signal != "prefix_hit")
+
+
 def _searchable_field(key: str, report: _Reporter) -> Any:
     """The annotation of the config field a knob searches, or a ConfigError naming the knob. One weight of the
-    weighted queue order is a knob too: scheduler.priority_weights.<feature>."""
+    weighted queue order is a knob too: scheduler.priority_weights.<feature>; so is one weight of the weighted
+    router, cluster.router_weights.<signal>."""
     if key.startswith(WEIGHTS_KEY + "."):
         feature = key[len(WEIGHTS_KEY) + 1:]
         if feature not in FEATURES:
             raise report.error(*_unknown_key(feature, list(FEATURES), f"search.knobs.{WEIGHTS_KEY}"))
         return Float
+    if key.startswith(ROUTER_WEIGHTS_KEY + "."):
+        signal = key[len(ROUTER_WEIGHTS_KEY) + 1:]
+        if signal not in ROUTER_WEIGHT_SIGNALS:
+            raise report.error(*_unknown_key(signal, list(ROUTER_WEIGHT_SIGNALS), f"search.knobs.{ROUTER_WEIGHTS_KEY}"))
+        return Float
     section, _, name = key.partition(".")
+    if section == "cluster":
+        if name not in CLUSTER_KNOBS:
+            known = [*CLUSTER_KNOBS, *(f"router_weights.{signal}" for signal in ROUTER_WEIGHT_SIGNALS)]
+            raise report.error(*_unknown_key(name, known, "search.knobs.cluster"))
+        return CLUSTER_KNOBS[name]
     if section not in SEARCHABLE_SECTIONS:
         raise report.error(f"search.knobs.{key}", f"not searchable; expected a field of "
-                                                  f"{' or '.join(SEARCHABLE_SECTIONS)}, such as scheduler.max_num_seqs")
+                                                  f"{', '.join(SEARCHABLE_SECTIONS)} or cluster, such as "
+                                                  "scheduler.max_num_seqs")
     fields = _fields(_section(_fields(Config)[section]))
     if name not in fields:
         raise report.error(*_unknown_key(name, list(fields), f"search.knobs.{section}"))
@@ -1296,6 +1319,25 @@ def _check_knobs(data: Any, config: Config, report: _Reporter) -> tuple:
                   else _check_knob(str(key), spec, report)) for key, spec in data.items())
 
 
+def _check_cluster_knob(key: str, knob: KnobConfig, knobs: dict[str, KnobConfig], config: Config,
+                        report: _Reporter) -> None:
+    """A cluster knob needs a cluster to vary; a router weight needs the weighted router (set, or among a router
+    knob's choices); a weighted router among a knob's choices needs weights (set, or searched)."""
+    where = f"search.knobs.{key}"
+    if config.cluster is None:
+        raise report.error(where, "searches the cluster, but the config has no cluster section (add one, such as "
+                                  "cluster: {replicas: 2, router: least_outstanding})")
+    routers = knobs["cluster.router"].choices if "cluster.router" in knobs else (config.cluster.router,)
+    if key.startswith(ROUTER_WEIGHTS_KEY + ".") and "weighted" not in routers:
+        raise report.error(where, f"searches a weight of the weighted router, but cluster.router is "
+                                  f"{' or '.join(routers)}")
+    searched_weights = any(other.startswith(ROUTER_WEIGHTS_KEY + ".") for other in knobs)
+    if key == "cluster.router" and "weighted" in routers and config.cluster.router_weights is None \
+            and not searched_weights:
+        raise report.error(where, "may choose weighted, but neither cluster.router_weights nor a "
+                                  f"search.knobs.{ROUTER_WEIGHTS_KEY}.<signal> knob gives its weights")
+
+
 def _check_seeds(seeds: Any, report: _Reporter) -> tuple:
     expected = f"a non-empty list of distinct integers {SEED.describe()}"
     if not isinstance(seeds, (list, tuple)) or not seeds:
@@ -1365,6 +1407,8 @@ def _check_search(config: Config, report: _Reporter, base_dir: Path) -> SearchCo
         if key.startswith(WEIGHTS_KEY + ".") and config.scheduler.queue_order != "weighted":
             raise report.error(f"search.knobs.{key}", f"searches a weight of the weighted queue order, but "
                                                       f"scheduler.queue_order is {config.scheduler.queue_order}")
+        if section == "cluster":
+            _check_cluster_knob(key, knob, dict(knobs), config, report)
     names = [search.objectives] if isinstance(search.objectives, str) else search.objectives
     if not isinstance(names, (list, tuple)) or not all(isinstance(name, str) for name in names):
         raise report.bad_value("search.objectives", search.objectives, f"a list of {', '.join(OBJECTIVES)}")

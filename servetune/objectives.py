@@ -2,7 +2,7 @@
 study carries.
 
 Each objective names the metric it reads (a key of ``compute_metrics``' dict, ``gpus_needed`` added by
-``add_gpus_needed``, or ``request_capacity`` added by ``search/capacity.py``) and whether more is better. A
+``add_gpus_needed``, ``goodput_per_gpu`` added by ``add_goodput_per_gpu``, or ``request_capacity`` added by ``search/capacity.py``) and whether more is better. A
 metric that is undefined for a trial (no request completed, so no p99) scores the worst possible value rather
 than failing the trial, so the sampler learns to avoid it.
 
@@ -71,11 +71,15 @@ OBJECTIVES: dict[str, Objective] = {objective.name: objective for objective in (
               "bisected to within 2%; 0 when even 1/4096 of the load misses the target, and at most 4096 times "
               "the load. Unlike goodput it keeps rising past the point where a config serves the configured "
               "load in full", "capacity (req/s)"),
+    Objective("goodput_per_gpu", "goodput_per_gpu", True,
+              "goodput per GPU the deployment runs on: request goodput / (cluster.replicas x hardware.tp); with "
+              "p99_ttft it finds the cheapest deployment that meets the SLO", "goodput per GPU (req/s)"),
 )}
 
 # Metrics where a larger value is better or worse; what "worst over scenarios" means for each.
 HIGHER_IS_BETTER = ("request_goodput", "request_throughput", "output_throughput", "total_token_throughput",
-                    "slo_attainment", "completed", "good", "request_capacity", "capacity_rate_scale")
+                    "slo_attainment", "completed", "good", "request_capacity", "capacity_rate_scale",
+                    "goodput_per_gpu")
 LOWER_IS_BETTER_SUFFIX = "_ms"
 LOWER_IS_BETTER = ("gpus_needed", "rejected", "unfinished", "preemptions")
 
@@ -100,6 +104,13 @@ def add_gpus_needed(metrics: dict, tp: int) -> dict:
     if not goodput or offered is None:
         return {**metrics, "gpus_needed": math.inf}
     return {**metrics, "gpus_needed": float(tp * max(1, math.ceil(offered / goodput - 1e-9)))}
+
+
+def add_goodput_per_gpu(metrics: dict, gpus: int) -> dict:
+    """``metrics`` with ``goodput_per_gpu``: the run's goodput over the ``gpus`` it ran on (replicas x tp, the
+    whole cluster's goodput over the whole cluster's GPUs); None when goodput is (the run had no duration)."""
+    goodput = metrics.get("request_goodput")
+    return {**metrics, "goodput_per_gpu": None if goodput is None else goodput / gpus}
 
 
 def attainment_shortfall(metrics: dict, target: float) -> float:

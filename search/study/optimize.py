@@ -432,6 +432,8 @@ def _tell(study: optuna.Study, trial: optuna.Trial, result: TrialResult, objecti
     resolved = result.configs[0]
     trial.set_user_attr("scheduler", json.loads(json.dumps(dataclasses.asdict(resolved.scheduler))))
     trial.set_user_attr("hardware", json.loads(json.dumps(dataclasses.asdict(resolved.hardware))))
+    if resolved.cluster is not None:
+        trial.set_user_attr("cluster", json.loads(json.dumps(dataclasses.asdict(resolved.cluster))))
     # The list form constrained samplers write (optuna/samplers/_base.py) is the one Optuna Dashboard shows.
     study._storage.set_trial_system_attr(trial._trial_id, _CONSTRAINTS_KEY,
                                          [attainment_shortfall(result.metrics, attainment_target)])

@@ -19,7 +19,7 @@ from servetune.config import Config
 from servetune.config_loader import config_from_dict
 from servetune.search.evaluate import BatchEvaluator
 from servetune.objectives import (
-    HIGHER_IS_BETTER, LOWER_IS_BETTER, LOWER_IS_BETTER_SUFFIX, add_gpus_needed,
+    HIGHER_IS_BETTER, LOWER_IS_BETTER, LOWER_IS_BETTER_SUFFIX, add_goodput_per_gpu, add_gpus_needed,
 )
 from servetune.search.provenance import config_data
 from servetune.search.study.space import apply_knobs
@@ -89,9 +89,16 @@ def evaluate_knobs(evaluator: BatchEvaluator, study_variants: Sequence[Variant],
     results = []
     for start in range(0, len(evaluated), per_trial):
         chunk = evaluated[start:start + per_trial]
-        metrics = [add_gpus_needed(m, config.hardware.tp) for config, m in chunk]
+        # A copy of the deployment is every replica's GPUs: gpus_needed counts whole copies of it.
+        metrics = [add_goodput_per_gpu(add_gpus_needed(m, deployment_gpus(config)), deployment_gpus(config))
+                   for config, m in chunk]
         results.append(_combine(study_variants, [config for config, _ in chunk], metrics, aggregate))
     return results
+
+
+def deployment_gpus(config: Config) -> int:
+    """The GPUs a config runs on: tp per replica, times the cluster's replicas (one without a cluster)."""
+    return config.hardware.tp * (1 if config.cluster is None else config.cluster.replicas)
 
 
 def _combine(study_variants: Sequence[Variant], configs: list[Config], metrics: list[dict],

@@ -3,7 +3,9 @@
 A knob is a dotted config key (``scheduler.max_num_seqs``) with a range or a list of choices, declared in the
 config's ``search.knobs``; without that section the defaults for the scheduler policy below are searched. Any
 field of ``scheduler`` or ``hardware`` can be a knob, so a knob the simulator gains later (a queue order, say)
-is searchable by naming it: ``scheduler.queue_order: {choices: [fcfs, priority]}``. Every knob is suggested in
+is searchable by naming it: ``scheduler.queue_order: {choices: [fcfs, priority]}``. A config with a ``cluster``
+section may also search ``cluster.replicas``, ``cluster.router``, ``cluster.signal_delay_s`` and one weight of the
+weighted router per signal, ``cluster.router_weights.<signal>`` (a trial's weights form its ``router_weights``). Every knob is suggested in
 every trial (no conditional parameters), so every sampler -- CMA-ES and GP included -- sees one fixed space.
 """
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any, Mapping
 import numpy as np
 import optuna
 
-from servetune.config import Config, KnobConfig
+from servetune.config import ROUTER_FEATURES, Config, KnobConfig
 from servetune.envs.sim.queue_order import FEATURES
 
 # The knobs searched when the config has no `search.knobs`. Token budgets start at 512 so that vLLM's rule
@@ -127,13 +129,19 @@ class SearchSpace:
                 if knob.spec.choices is not None and values[knob.key] not in (*knob.spec.choices, *knob.held)]
 
 
-WEIGHT_PREFIX = "scheduler.priority_weights."   # one weight of the weighted queue order is a knob
+WEIGHT_PREFIX = "scheduler.priority_weights."        # one weight of the weighted queue order is a knob
+ROUTER_WEIGHT_PREFIX = "cluster.router_weights."     # one weight of the weighted router is a knob
+# The cluster's knobs' types: ClusterConfig.replicas is annotated loosely (a list of replica groups reaches the
+# loader's own message), so the types are named here; the loader checks the names (config_loader.CLUSTER_KNOBS).
+CLUSTER_FIELD_TYPES = {"replicas": int, "router": str, "signal_delay_s": float}
 
 
 def _field_type(key: str) -> type:
-    if key.startswith(WEIGHT_PREFIX):
+    if key.startswith((WEIGHT_PREFIX, ROUTER_WEIGHT_PREFIX)):
         return float
     section, name = key.split(".", 1)
+    if section == "cluster":
+        return CLUSTER_FIELD_TYPES[name]
     hint = typing.get_type_hints(typing.get_type_hints(Config)[section])[name]
     inner = [arg for arg in typing.get_args(hint) if arg is not type(None)]
     return inner[0] if inner else hint
@@ -142,18 +150,25 @@ def _field_type(key: str) -> type:
 def get_field(config: Config, key: str) -> Any:
     if key.startswith(WEIGHT_PREFIX):
         return dict(config.scheduler.priority_weights or ()).get(key[len(WEIGHT_PREFIX):], 0.0)
+    if key.startswith(ROUTER_WEIGHT_PREFIX):
+        return dict(config.cluster.router_weights or ()).get(key[len(ROUTER_WEIGHT_PREFIX):], 0.0)
     section, name = key.split(".", 1)
     return getattr(getattr(config, section), name)
 
 
 def apply_knobs(config: Config, values: Mapping[str, Any]) -> Config:
     """``config`` with each knob set. The prefill-chunk cap only means something with chunked prefill, so it
-    is 0 without it (the rule the config loader enforces)."""
+    is 0 without it (the rule the config loader enforces); the router's weights only mean something to the
+    weighted router, so they are null under any other (the loader's rule too)."""
     by_section: dict[str, dict[str, Any]] = {}
     weights = dict(config.scheduler.priority_weights or ())
+    router_weights = dict(config.cluster.router_weights or ()) if config.cluster is not None else {}
     for key, value in values.items():
         if key.startswith(WEIGHT_PREFIX):
             weights[key[len(WEIGHT_PREFIX):]] = float(value)
+            continue
+        if key.startswith(ROUTER_WEIGHT_PREFIX):
+            router_weights[key[len(ROUTER_WEIGHT_PREFIX):]] = float(value)
             continue
         section, name = key.split(".", 1)
         by_section.setdefault(section, {})[name] = value
@@ -161,6 +176,12 @@ def apply_knobs(config: Config, values: Mapping[str, Any]) -> Config:
         # Kept in FEATURES order, as the config loader keeps them.
         by_section.setdefault("scheduler", {})["priority_weights"] = tuple(
             (name, weights[name]) for name in FEATURES if name in weights)
+    if config.cluster is not None:
+        router = by_section.get("cluster", {}).get("router", config.cluster.router)
+        # Kept in ROUTER_FEATURES order, as the config loader keeps them.
+        by_section.setdefault("cluster", {})["router_weights"] = tuple(
+            (name, router_weights[name]) for name in ROUTER_FEATURES if name in router_weights) \
+            if router == "weighted" else None
     config = dataclasses.replace(config, **{
         section: dataclasses.replace(getattr(config, section), **fields) for section, fields in by_section.items()})
     if not config.scheduler.enable_chunked_prefill and config.scheduler.long_prefill_token_threshold:
