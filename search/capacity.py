@@ -6,6 +6,9 @@ fall as the load grows. Scales are powers of two: the search brackets the capaci
 scale from 1, then bisects the exponent until the bracket's ends are within ``tolerance`` of each other: the
 capacity returned meets the target, and the true boundary lies below ``capacity · (1 + tolerance)``.
 
+``fewest_replicas`` answers the other question of capacity planning: how many replicas of a config meet the
+target at its own arrival rate.
+
 Many configs are searched together (``search_capacities``), in rounds: each round every config still searching
 probes one scale, and all of a round's probes go to the evaluator in one call, where probes of one scale share
 a workload and run as one vmapped ``simulate_many`` call. Since every config starts at scale 1 and moves by
@@ -166,3 +169,66 @@ class CapacityEvaluator:
             results.append((resolved, {**metrics, **search.capacity_metrics(),
                                        "truncated": search.truncated}))
         return results
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The fewest replicas that meet the SLO target at the configured load.
+
+@dataclass(frozen=True)
+class ReplicaProbe:
+    replicas: int
+    slo_attainment: float
+
+
+@dataclass(frozen=True)
+class FewestReplicas:
+    replicas: Optional[int]          # the fewest in the range that meet the target; None when none does
+    low: int
+    high: int
+    request_rate: float              # requests per second offered (the configured load)
+    target: float
+    probes: tuple[ReplicaProbe, ...]  # every replica count simulated, in order
+
+
+def parse_replica_range(text: str) -> tuple[int, int]:
+    """``LO:HI`` as two integers, 1 ≤ LO ≤ HI; a UserError naming the flag otherwise."""
+    expected = "LO:HI, two integers with 1 ≤ LO ≤ HI, such as 1:16"
+    low_text, colon, high_text = text.partition(":")
+    try:
+        low, high = int(low_text), int(high_text)
+    except ValueError:
+        raise UserError(f"--replicas: got {text!r}, expected {expected}") from None
+    if not colon or low < 1 or high < low:
+        raise UserError(f"--replicas: got {text!r}, expected {expected}")
+    return low, high
+
+
+def fewest_replicas(config: Config, low: int, high: int, target: Optional[float] = None,
+                    evaluator: Optional[BatchEvaluator] = None,
+                    on_probe: Optional[Callable[[ReplicaProbe], None]] = None) -> FewestReplicas:
+    """The fewest replicas in [low, high] whose cluster (``config.cluster`` with that many replicas) meets the SLO
+    attainment target (``target``, else ``slo.attainment_target``) at the configured arrival rate.
+
+    A scan upward from ``low``, stopping at the first count that meets the target, not a bisection: meeting the
+    target need not be monotone in the replica count, since the router splits the workload anew for each count
+    (round_robin's cycle, random's draws, a load-reading router's ties all change with it), so R + 1 replicas
+    are not R replicas with one more idle; the first count that meets the target is the fewest by definition.
+    """
+    if config.cluster is None:
+        raise UserError("--replicas: the config has no cluster section; add one, such as "
+                        "cluster: {router: least_outstanding}")
+    evaluator = evaluator or BatchEvaluator(batch_size=1)
+    target = config.slo.attainment_target if target is None else target
+    probes = []
+    for replicas in range(low, high + 1):
+        probe_config = dataclasses.replace(config, cluster=dataclasses.replace(config.cluster, replicas=replicas))
+        [(_, metrics)] = evaluator.evaluate([probe_config])
+        probe = ReplicaProbe(replicas, metrics["slo_attainment"] or 0.0)
+        probes.append(probe)
+        if on_probe:
+            on_probe(probe)
+        if probe.slo_attainment >= target:
+            break
+    met = probes[-1].slo_attainment >= target
+    return FewestReplicas(probes[-1].replicas if met else None, low, high, offered_rate(config, evaluator), target,
+                          tuple(probes))

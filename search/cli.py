@@ -31,8 +31,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     tune = subparsers.add_parser("tune", help="search scheduler knobs for the best goodput (an Optuna study)")
     add_config_arguments(tune)
     tune.add_argument("--trials", type=int, help="COMPLETE trials the study should hold (default: search.trials)")
-    tune.add_argument("--objectives", help="comma-separated: goodput, p99_ttft, p99_itl, gpus "
-                                           "(default: search.objectives, goodput)")
+    tune.add_argument("--objectives", help="comma-separated: goodput, p99_ttft, p99_itl, gpus, capacity, "
+                                           "goodput_per_gpu (default: search.objectives, goodput)")
     tune.add_argument("--sampler", choices=FIELD_CHOICES["search.sampler"], help="default: search.sampler, tpe")
     tune.add_argument("--batch-size", type=int, help="trials simulated together (default: search.batch_size)")
     tune.add_argument("--seed", type=int, help="the sampler's seed (default: search.seed)")
@@ -52,6 +52,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     capacity.add_argument("--tolerance", type=float, default=0.02,
                           help="relative width of the final bracket (default %(default)s)")
     capacity.add_argument("--target", type=float, help="SLO attainment to meet (default: slo.attainment_target)")
+    capacity.add_argument("--replicas", metavar="LO:HI",
+                          help="instead of the highest rate: the fewest replicas in LO..HI (of the config's cluster) "
+                               "that meet the target at the configured rate")
     capacity.add_argument("--json", action="store_true", help="print one JSON object")
     capacity.set_defaults(func=run_capacity)
 
@@ -233,6 +236,8 @@ def run_capacity(args: argparse.Namespace) -> int:
 
     if args.target is not None and not 0 < args.target <= 1:
         raise UserError(f"--target: got {args.target}, expected a fraction in (0, 1]")
+    if args.replicas is not None:
+        return _run_fewest_replicas(args)
     config, label = _config_or_study_trial(args)
     use_persistent_compilation_cache()
     console = Console(stderr=True)
@@ -253,6 +258,32 @@ def run_capacity(args: argparse.Namespace) -> int:
     out.print(f"[bold]capacity {result.request_rate:,.3f} req/s[/bold] ({result.rate_scale:.4g}x the configured "
               f"rate): SLO attainment {result.slo_attainment:.1%} ≥ {result.target:.0%}; the boundary lies below "
               f"{result.request_rate * (1 + result.tolerance):,.3f} req/s (tolerance {result.tolerance:.0%})")
+    return 0
+
+
+def _run_fewest_replicas(args: argparse.Namespace) -> int:
+    """``capacity --replicas LO:HI``: a line per replica count simulated, then the fewest that meets the target."""
+    from servetune.search.capacity import fewest_replicas, parse_replica_range
+    from servetune.search.evaluate import use_persistent_compilation_cache
+
+    low, high = parse_replica_range(args.replicas)
+    config, label = _config_or_study_trial(args)
+    use_persistent_compilation_cache()
+    console = Console(stderr=True)
+    target = config.slo.attainment_target if args.target is None else args.target
+    result = fewest_replicas(config, low, high, target, on_probe=lambda p: console.print(
+        f"{p.replicas} replicas: SLO attainment {p.slo_attainment:.1%} "
+        f"{'≥' if p.slo_attainment >= target else '<'} {target:.0%}"))
+    if args.json:
+        print(json.dumps({**dataclasses.asdict(result), "of": label}))
+    if result.replicas is None:
+        raise UserError(f"capacity --replicas {args.replicas}: even {high} replicas miss SLO attainment {target:.0%} "
+                        f"at {result.request_rate:,.3f} req/s ({result.probes[-1].slo_attainment:.1%}); widen the "
+                        "range or change the config")
+    if not args.json:
+        Console().print(f"[bold]fewest replicas {result.replicas}[/bold] of {label}: SLO attainment "
+                        f"{result.probes[-1].slo_attainment:.1%} ≥ {target:.0%} at {result.request_rate:,.3f} req/s "
+                        f"(router {config.cluster.router}, {result.replicas * config.hardware.tp} GPUs)")
     return 0
 
 
