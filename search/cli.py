@@ -342,14 +342,30 @@ def run_export(args: argparse.Namespace) -> int:
         check_output_file(args.out, "--out")
     exported, label = _export_policy(args) if args.policy is not None else _export_study(args)
     text = exported.text
-    for warning in exported.warnings:
+    companions = [(_companion_path(args.out, suffix), companion) for suffix, companion in exported.companions] \
+        if args.out is not None else []
+    for path, _ in companions:
+        check_output_file(path, "--out (a file beside it)")
+    warnings = list(exported.warnings)
+    if args.out is None and exported.companions:
+        warnings.append(f"give --out to also write {', '.join(f'FILE{s}' for s, _ in exported.companions)} beside "
+                        "the engine's file (the router's config)")
+    for warning in warnings:
         print(f"servetune: warning: {warning}", file=sys.stderr)
     if args.out is None:
         sys.stdout.write(text)
         return 0
     args.out.write_text(text)
-    Console(stderr=True).print(f"wrote {args.out} ({label})")
+    for path, companion in companions:
+        path.write_text(companion)
+    written = ", ".join(str(path) for path in (args.out, *(path for path, _ in companions)))
+    Console(stderr=True).print(f"wrote {written} ({label})")
     return 0
+
+
+def _companion_path(out: Path, suffix: str) -> Path:
+    """Beside ``out``, its last suffix replaced: x.vllm.yaml -> x.vllm.llm-d-epp.yaml."""
+    return out.with_suffix(suffix)
 
 
 def _export_policy(args: argparse.Namespace):

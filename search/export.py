@@ -41,6 +41,20 @@ none split; SGLang gets the same as ``ep-size`` = tp (python/sglang/srt/server_a
 and TensorRT-LLM as ``moe_expert_parallel_size`` = tp with ``moe_tensor_parallel_size`` 1 (LlmArgs,
 tensorrt_llm/llmapi/llm_args.py; tensorrt_llm/mapping.py requires moe_tp x moe_ep = tp).
 
+A cluster (``cluster.replicas`` above one) exports the engine's file for one replica (the replicas are identical:
+one replica group) with the replicas and the router beside it. vLLM takes the replicas as ``data-parallel-size``
+(vllm/engine/arg_utils.py, ``--data-parallel-size``/``-dp``, ``ParallelConfig.data_parallel_size``), and its
+internal load balancer (vllm/v1/engine/core_client.py, ``DPLBAsyncMPClient.get_core_engine_for_request``, at
+vllm-project/vllm 00080ee) sends each request to the engine with the lowest max(its own requests in flight,
+waiting + running): least_outstanding, which the export maps there. It also penalises waiting requests on an
+engine above 50% KV cache use and reads the engines' counts from snapshots (every 100 ms), which the warnings say;
+any other router is a warning naming it. For llm-d's inference scheduler (llm-d/llm-d-inference-scheduler,
+docs/architecture.md and deploy/config/epp-config.yaml) least_outstanding is its ``active-request-scorer`` ("pods
+with fewer active requests receive higher scores") under ``max-score-picker`` and ``single-profile-handler``, an
+``EndpointPickerConfig`` written beside the engine's file (``Exported.companions``); llm-d's scorers score each
+signal in [0, 1] before weighting them, so no other router is mapped to them, and a warning says so. Other
+engines have no data-parallel balancer here: the replicas and the router are warnings.
+
 The admission limit ``max_num_queued_reqs`` counts unfinished requests, waiting and running, as vLLM's
 ``max-num-queued-reqs`` does (vllm/v1/engine/async_llm.py); TGI's ``--max-concurrent-requests`` counts the
 same; SGLang's ``max-queued-requests`` counts waiting requests only (so it gets the limit less its running
@@ -73,7 +87,9 @@ NEUTRAL = {"scheduler.long_prefill_token_threshold": 0, "scheduler.watermark": 0
            "scheduler.reserve_full_prompt": True, "quantization": None, "kv_cache_dtype": "auto",
            "hardware.enable_expert_parallel": False,
            # No engine takes the window as a flag: vLLM reads it from the model's config.json (null: full attention).
-           "scheduler.sliding_window": None}
+           "scheduler.sliding_window": None,
+           # A cluster's router settings change nothing without a delay or weights.
+           "cluster.signal_delay_s": 0.0, "cluster.router_weights": None}
 
 # vLLM 0.33's scheduler and cache keys (engines.md up to max-model-len, the rest as vllm/engine/arg_utils.py spells
 # them, a `false` written as --no-KEY); its SchedulerConfig refuses any other key at start-up.
@@ -81,7 +97,7 @@ VLLM_KEYS = ("max-num-seqs", "max-num-batched-tokens", "enable-chunked-prefill",
              "scheduling-policy", "max-num-queued-reqs", "max-num-queued-tokens", "watermark", "block-size",
              "gpu-memory-utilization", "enable-prefix-caching", "max-model-len", "async-scheduling",
              "scheduler-reserve-full-isl", "num-gpu-blocks-override", "quantization", "kv-cache-dtype",
-             "enable-expert-parallel", "tensor-parallel-size")
+             "enable-expert-parallel", "tensor-parallel-size", "data-parallel-size")
 # How each engine orders requests by priority (used when servetune's queue orders carry priorities):
 # servetune follows vLLM, lower value first.
 PRIORITY_ORDER = {"vllm": "lower value served first", "sglang": "higher value served first (negate servetune's)",
@@ -108,6 +124,9 @@ class Policy:
 class Exported:
     text: str
     warnings: tuple[str, ...]
+    # Files that go beside the engine's: (suffix replacing the file's last one, text), such as llm-d's router
+    # config for a cluster.
+    companions: tuple[tuple[str, str], ...] = ()
 
 
 def in_effect(config: Config) -> dict[str, Any]:
@@ -117,7 +136,15 @@ def in_effect(config: Config) -> dict[str, Any]:
     knobs["hardware.tp"] = config.hardware.tp
     knobs["hardware.enable_expert_parallel"] = config.hardware.enable_expert_parallel
     knobs["quantization"], knobs["kv_cache_dtype"] = config.quantization, config.kv_cache_dtype
+    if replicas(config) > 1:
+        # The router's draws are no setting of an engine, so the seed is left out.
+        knobs.update({f"cluster.{name}": getattr(config.cluster, name)
+                      for name in ("replicas", "router", "router_weights", "signal_delay_s")})
     return {key: value for key, value in knobs.items() if key not in skip}
+
+
+def replicas(config: Config) -> int:
+    return 1 if config.cluster is None else config.cluster.replicas
 
 
 def _model_context_length(config: Config) -> Optional[int]:
@@ -251,7 +278,8 @@ def _vllm(policy: Policy) -> tuple[dict, list[str]]:
         keys["tensor-parallel-size"] = policy.config.hardware.tp
     if policy.config.hardware.enable_expert_parallel:
         keys["enable-expert-parallel"] = True
-    expressed = {"scheduler.max_num_seqs", "scheduler.batch_size", "scheduler.max_num_batched_tokens",
+    cluster_expressed, cluster_warnings = _vllm_data_parallel(policy.config, keys)
+    expressed = {*cluster_expressed, "scheduler.max_num_seqs", "scheduler.batch_size", "scheduler.max_num_batched_tokens",
                  "scheduler.enable_chunked_prefill", "scheduler.long_prefill_token_threshold", "scheduler.block_size",
                  "scheduler.num_kv_blocks", "scheduler.watermark", "scheduler.max_num_queued_reqs",
                  "scheduler.enable_prefix_caching", "scheduler.max_model_len", "scheduler.async_scheduling",
@@ -259,13 +287,61 @@ def _vllm(policy: Policy) -> tuple[dict, list[str]]:
                  "hardware.enable_expert_parallel"}
     if s.queue_order == "priority":
         expressed.add("scheduler.queue_order")
-    warnings = _unexpressed(policy.config, expressed, "vllm") + precision_warnings
+    warnings = _unexpressed(policy.config, expressed, "vllm") + precision_warnings + cluster_warnings
     if s.max_model_len is None:
         warnings.append(f"vllm: max-model-len is left to vLLM, which derives it from the model's config; knowing no "
                         f"context length for {policy.config.model}, the simulation took requests of up to "
                         f"{s.model_len_limit} tokens, all the KV cache holds")
     check_vllm(keys, policy.config)
     return keys, warnings
+
+
+# vLLM's data-parallel balancer picks by its engines' load: least_outstanding (see the module's docstring).
+VLLM_BALANCER_ROUTER = "least_outstanding"
+
+
+def _vllm_data_parallel(config: Config, keys: dict) -> tuple[set[str], list[str]]:
+    """A cluster's replicas as vLLM's data-parallel engines (``keys`` gains data-parallel-size): the cluster keys
+    expressed, and warnings for how vLLM's balancer differs from the simulated router."""
+    if replicas(config) == 1:
+        return set(), []
+    cluster = config.cluster
+    keys["data-parallel-size"] = cluster.replicas
+    if cluster.router != VLLM_BALANCER_ROUTER:
+        return {"cluster.replicas", "cluster.router"}, [
+            f"vllm cannot express cluster.router={cluster.router}: its data-parallel load balancer sends each "
+            f"request to the engine with the fewest waiting + running requests ({VLLM_BALANCER_ROUTER}); for "
+            f"{cluster.router}, start {cluster.replicas} engines without data-parallel-size behind a router of "
+            "your own"]
+    return {"cluster.replicas", "cluster.router"}, [
+        "vllm: its data-parallel load balancer also penalises waiting requests on an engine above 50% KV cache use "
+        "(up to 3x their count at 100%), which the simulated least_outstanding router did not"]
+
+
+def llm_d_router(config: Config) -> tuple[Optional[str], list[str]]:
+    """llm-d's EndpointPickerConfig for the cluster's router (None when it has none), and warnings."""
+    if replicas(config) == 1:
+        return None, []
+    cluster = config.cluster
+    if cluster.router != VLLM_BALANCER_ROUTER:
+        return None, [f"llm-d: no EndpointPickerConfig written for cluster.router={cluster.router}: servetune maps "
+                      f"only {VLLM_BALANCER_ROUTER} to llm-d's scorers (its active-request-scorer); they score each "
+                      "signal in [0, 1] before weighting, so a weighted sum of raw signals has no exact counterpart"]
+    document = {
+        "apiVersion": "inference.networking.x-k8s.io/v1alpha1",
+        "kind": "EndpointPickerConfig",
+        "plugins": [{"type": "active-request-scorer"}, {"type": "max-score-picker"},
+                    {"type": "single-profile-handler"}],
+        "schedulingProfiles": [{"name": "default", "plugins": [{"pluginRef": "active-request-scorer", "weight": 1},
+                                                               {"pluginRef": "max-score-picker"}]}],
+    }
+    header = (f"# servetune export for llm-d's inference scheduler (EPP --configFile): {cluster.router} over "
+              f"{cluster.replicas} replicas, each a vLLM pod serving the engine file without data-parallel-size\n")
+    warnings = []
+    if cluster.signal_delay_s:
+        warnings.append(f"llm-d cannot express cluster.signal_delay_s={cluster.signal_delay_s:g}: the "
+                        "active-request-scorer counts the requests it routed itself, with no delay")
+    return header + yaml.safe_dump(document, sort_keys=False, default_flow_style=False), warnings
 
 
 def check_max_model_len(engine: str, key: str, value: Optional[int], config: Config) -> None:
@@ -451,6 +527,10 @@ def _servetune(policy: Policy) -> tuple[dict, list[str]]:
                       "priority_weights": None if config.scheduler.priority_weights is None
                       else dict(config.scheduler.priority_weights)},
         "hardware": dataclasses.asdict(config.hardware),
+        # Weights as a {signal: weight} mapping too; null without a cluster.
+        "cluster": None if config.cluster is None else {
+            **dataclasses.asdict(config.cluster),
+            "router_weights": None if config.cluster.router_weights is None else dict(config.cluster.router_weights)},
         "priority_order": PRIORITY_ORDER["vllm"],
         "predicted": policy.predicted,
         "spread": policy.spread,
@@ -480,6 +560,12 @@ def export(policy: Policy, engine: str, file_name: str = "FILE", caveats: tuple[
         check_max_model_len(engine, "scheduler.max_model_len", policy.config.scheduler.max_model_len,
                             policy.config)
     keys, warnings = ENGINE_WRITERS[engine](policy)
+    companions = []
+    if engine == "vllm":
+        router_config, router_warnings = llm_d_router(policy.config)
+        warnings += router_warnings
+        if router_config is not None:
+            companions.append((".llm-d-epp.yaml", router_config))
     warnings = [*caveats, *warnings]
     header = [f"servetune export for {engine}: {USAGE[engine].format(file=file_name)}"]
     if policy.provenance:
@@ -499,7 +585,7 @@ def export(policy: Policy, engine: str, file_name: str = "FILE", caveats: tuple[
         body = "".join(f"{flag} {shlex.quote(str(value))}\n" for flag, value in keys.items())
     else:
         body = yaml.safe_dump(keys, sort_keys=False, default_flow_style=False)
-    return Exported(comments + body, tuple(warnings))
+    return Exported(comments + body, tuple(warnings), tuple(companions))
 
 
 def _num(value: Optional[float]) -> str:
