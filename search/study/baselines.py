@@ -80,8 +80,8 @@ def baselines(config: Config, space: SearchSpace) -> tuple[list[tuple[str, dict]
 
 
 def configuration(config: Config, knob_values: dict, baseline: Optional[str]) -> tuple:
-    """What a trial runs, as a comparable value: the scheduler and hardware after its knobs and its baseline's
-    settings (two knob sets that configure the same thing -- a prefill cap with chunked prefill off, which
-    apply_knobs zeroes -- are one configuration)."""
+    """What a trial runs, as a comparable value: the scheduler, hardware and cluster after its knobs and its
+    baseline's settings (two knob sets that configure the same thing -- a prefill cap with chunked prefill off, or
+    router weights under a router that reads none, which apply_knobs clears -- are one configuration)."""
     applied = apply_knobs(config, {**knob_values, **baseline_settings(config, baseline)})
-    return applied.scheduler, applied.hardware
+    return applied.scheduler, applied.hardware, applied.cluster
