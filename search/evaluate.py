@@ -103,7 +103,6 @@ class BatchEvaluator:
             for config, outcome in zip(resolved, outcomes)
         ]
 
-
     def _simulate_cluster(self, runnable: Config, resolved: Config) -> dict:
         workload = self.workload(runnable)
         cost_fn, cost_params = self._cost_model(runnable)

@@ -279,7 +279,8 @@ def _vllm(policy: Policy) -> tuple[dict, list[str]]:
     if policy.config.hardware.enable_expert_parallel:
         keys["enable-expert-parallel"] = True
     cluster_expressed, cluster_warnings = _vllm_data_parallel(policy.config, keys)
-    expressed = {*cluster_expressed, "scheduler.max_num_seqs", "scheduler.batch_size", "scheduler.max_num_batched_tokens",
+    expressed = {*cluster_expressed,
+                 "scheduler.max_num_seqs", "scheduler.batch_size", "scheduler.max_num_batched_tokens",
                  "scheduler.enable_chunked_prefill", "scheduler.long_prefill_token_threshold", "scheduler.block_size",
                  "scheduler.num_kv_blocks", "scheduler.watermark", "scheduler.max_num_queued_reqs",
                  "scheduler.enable_prefix_caching", "scheduler.max_model_len", "scheduler.async_scheduling",

@@ -2,7 +2,8 @@
 study carries.
 
 Each objective names the metric it reads (a key of ``compute_metrics``' dict, ``gpus_needed`` added by
-``add_gpus_needed``, ``goodput_per_gpu`` added by ``add_goodput_per_gpu``, or ``request_capacity`` added by ``search/capacity.py``) and whether more is better. A
+``add_gpus_needed``, ``goodput_per_gpu`` added by ``add_goodput_per_gpu``, or ``request_capacity`` added by
+``search/capacity.py``) and whether more is better. A
 metric that is undefined for a trial (no request completed, so no p99) scores the worst possible value rather
 than failing the trial, so the sampler learns to avoid it.
 

@@ -191,7 +191,8 @@ def test_the_fewest_replicas_is_the_first_that_keeps_up_and_each_probe_is_as_the
 
 @pytest.mark.parametrize("text", ["0:4", "5:2", "x", "3", "1:y", ""])
 def test_a_bad_replica_range_is_one_line(text):
-    with pytest.raises(UserError, match=rf"^--replicas: got '{text}', expected LO:HI, two integers with 1 ≤ LO ≤ HI"):
+    expected = "expected LO:HI, two integers with 1 ≤ LO ≤ HI"
+    with pytest.raises(UserError, match=rf"^--replicas: got '{text}', {expected}"):
         parse_replica_range(text)
 
 

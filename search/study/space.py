@@ -5,8 +5,9 @@ config's ``search.knobs``; without that section the defaults for the scheduler p
 field of ``scheduler`` or ``hardware`` can be a knob, so a knob the simulator gains later (a queue order, say)
 is searchable by naming it: ``scheduler.queue_order: {choices: [fcfs, priority]}``. A config with a ``cluster``
 section may also search ``cluster.replicas``, ``cluster.router``, ``cluster.signal_delay_s`` and one weight of the
-weighted router per signal, ``cluster.router_weights.<signal>`` (a trial's weights form its ``router_weights``). Every knob is suggested in
-every trial (no conditional parameters), so every sampler -- CMA-ES and GP included -- sees one fixed space.
+weighted router per signal, ``cluster.router_weights.<signal>`` (a trial's weights form its ``router_weights``).
+Every knob is suggested in every trial (no conditional parameters), so every sampler -- CMA-ES and GP included --
+sees one fixed space.
 """
 from __future__ import annotations
 
