@@ -110,8 +110,6 @@ def test_the_space_suggests_cluster_knobs_and_a_trial_assembles_the_router_weigh
     ({"cluster.router": {"choices": ["round_robin", "weighted"]}}, {},
      "search.knobs.cluster.router: may choose weighted, but neither cluster.router_weights nor a "
      "search.knobs.cluster.router_weights.<signal> knob gives its weights"),
-    ({"cluster.router": {"choices": ["round_robin", "prefix_affinity"]}}, {},
-     "search.knobs.cluster.router.choices: got 'prefix_affinity', expected a router other than prefix_affinity"),
     ({"cluster.replicas": {"low": 0, "high": 4}}, {},
      "search.knobs.cluster.replicas.low: got 0, expected an integer in [1, 4096]"),
 ])
