@@ -961,21 +961,11 @@ def _check_cluster(config: Config, report: _Reporter) -> ClusterConfig:
         return cluster
     expected = (f"a mapping of signal to weight, signals among {', '.join(ROUTER_FEATURES)}, at least one "
                 "weight non-zero (the lowest-scored replica takes the request)")
-    if isinstance(weights, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in weights):
-        weights = dict(weights)   # the (signal, weight) pairs of an already checked config, e.g. from JSON
-    if not isinstance(weights, dict) or not weights:
-        raise report.bad_value(ROUTER_WEIGHTS_KEY, weights, expected)
-    for name, weight in weights.items():
-        if name not in ROUTER_FEATURES:
-            raise report.error(*_unknown_key(str(name), list(ROUTER_FEATURES), ROUTER_WEIGHTS_KEY))
-        if not _has_type(weight, Float):
-            raise report.bad_value(f"{ROUTER_WEIGHTS_KEY}.{name}", weight, "a finite number")
-    if weights.get("prefix_hit"):
-        raise report.bad_value(f"{ROUTER_WEIGHTS_KEY}.prefix_hit", weights["prefix_hit"],
+    pairs = _checked_weights(weights, ROUTER_WEIGHTS_KEY, ROUTER_FEATURES, expected, report)
+    prefix_hit = dict(pairs).get("prefix_hit")
+    if prefix_hit:
+        raise report.bad_value(f"{ROUTER_WEIGHTS_KEY}.prefix_hit", prefix_hit,
                                "0: prefix-cache hits per replica are not simulated yet")
-    if not any(weights.values()):
-        raise report.bad_value(ROUTER_WEIGHTS_KEY, weights, expected)
-    pairs = tuple((name, float(weights[name])) for name in ROUTER_FEATURES if name in weights)
     return dataclasses.replace(cluster, router_weights=pairs)
 
 
@@ -1173,6 +1163,23 @@ def _check_model_and_hardware(config: Config, report: _Reporter, base_dir: Path)
                                f"{context:,} tokens, beyond the engine's token counts")
 
 
+def _checked_weights(weights, key: str, names, expected: str, report: _Reporter) -> tuple:
+    """A mapping of ``names`` to finite numbers, at least one non-zero, as (name, weight) pairs in ``names``
+    order (configs are frozen and hashable); an already checked config's pairs (e.g. from JSON) pass again."""
+    if isinstance(weights, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in weights):
+        weights = dict(weights)
+    if not isinstance(weights, dict) or not weights:
+        raise report.bad_value(key, weights, expected)
+    for name, weight in weights.items():
+        if name not in names:
+            raise report.error(*_unknown_key(str(name), list(names), key))
+        if not _has_type(weight, Float):
+            raise report.bad_value(f"{key}.{name}", weight, "a finite number")
+    if not any(weights.values()):
+        raise report.bad_value(key, weights, expected)
+    return tuple((name, float(weights[name])) for name in names if name in weights)
+
+
 WEIGHTS_KEY = "scheduler.priority_weights"
 
 
@@ -1187,18 +1194,7 @@ def _check_queue_order(scheduler: SchedulerConfig, report: _Reporter) -> Schedul
         return scheduler
     expected = (f"a mapping of feature to weight, features among {', '.join(FEATURES)}, at least one weight "
                 "non-zero (lower scores are served first)")
-    if isinstance(weights, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in weights):
-        weights = dict(weights)   # the (feature, weight) pairs of an already checked config, e.g. from JSON
-    if not isinstance(weights, dict) or not weights:
-        raise report.bad_value(WEIGHTS_KEY, weights, expected)
-    for name, weight in weights.items():
-        if name not in FEATURES:
-            raise report.error(*_unknown_key(str(name), list(FEATURES), WEIGHTS_KEY))
-        if not _has_type(weight, Float):
-            raise report.bad_value(f"{WEIGHTS_KEY}.{name}", weight, "a finite number")
-    if not any(weights.values()):
-        raise report.bad_value(WEIGHTS_KEY, weights, expected)
-    pairs = tuple((name, float(weights[name])) for name in FEATURES if name in weights)
+    pairs = _checked_weights(weights, WEIGHTS_KEY, FEATURES, expected, report)
     return dataclasses.replace(scheduler, priority_weights=pairs)
 
 

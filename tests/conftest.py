@@ -1,8 +1,10 @@
 """Shared test fixtures: the two simulators behind one signature, and small config builders."""
 from __future__ import annotations
 
+import csv
 import dataclasses
 import gc
+import json
 import os
 import shutil
 import tempfile
@@ -77,3 +79,15 @@ def simulator(request):
     from servetune.envs.sim.simulator import simulate_workload
 
     return simulate_workload
+
+
+def simulate_to_files(config_path, out, *arguments: str) -> tuple[dict, list[dict]]:
+    """``servetune simulate CONFIG ARGUMENTS --out --requests-out`` into folder ``out``: run.json and the rows of
+    requests.csv."""
+    from servetune.cli import main
+
+    code = main(["simulate", str(config_path), *arguments, "--out", str(out / "run.json"),
+                 "--requests-out", str(out / "requests.csv")])
+    assert code == 0
+    with open(out / "requests.csv") as f:
+        return json.loads((out / "run.json").read_text()), list(csv.DictReader(f))

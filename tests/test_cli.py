@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import simulate_to_files
 from servetune.cli import main
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -26,15 +27,9 @@ SERVETUNE_KEYS = ["rejected", "unfinished", "slo_attainment", "preemptions", "me
 def chat_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("chat")
     # A loaded chat server with a small KV cache and a queue limit, so rejections and preemptions happen.
-    code = main(["simulate", str(EXAMPLES / "chat.yaml"),
-                 "--set", "workload.num_requests=400", "--set", "workload.arrivals.rate=20",
-                 "--set", "scheduler.num_kv_blocks=400", "--set", "scheduler.max_num_queued_reqs=30",
-                 "--out", str(out / "run.json"), "--requests-out", str(out / "requests.csv")])
-    assert code == 0
-    run = json.loads((out / "run.json").read_text())
-    with open(out / "requests.csv") as f:
-        rows = list(csv.DictReader(f))
-    return run, rows
+    return simulate_to_files(EXAMPLES / "chat.yaml", out,
+                             "--set", "workload.num_requests=400", "--set", "workload.arrivals.rate=20",
+                             "--set", "scheduler.num_kv_blocks=400", "--set", "scheduler.max_num_queued_reqs=30")
 
 
 def test_run_json_has_vllm_and_servetune_keys(chat_run):

@@ -2,14 +2,13 @@
 requests.csv's replica column, each checked against the requests.csv rows it must agree with."""
 from __future__ import annotations
 
-import csv
-import json
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from conftest import simulate_to_files
 from servetune.cli import main
 from servetune.config_loader import load_config
 from servetune.envs.metrics import cluster_metrics, segment_metrics
@@ -29,14 +28,8 @@ REPLICAS = 4   # examples/cluster.yaml's
 def cluster_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("cluster")
     # A tenant limited to 12 of the 16 req/s, so some requests are refused at the router and routed to no replica.
-    code = main(["simulate", str(EXAMPLES / "cluster.yaml"), "--set", "workload.num_requests=200",
-                 "--set", "workload.tenants=[{name: chat, max_rate: 12.0, max_burst: 2}]",
-                 "--out", str(out / "run.json"), "--requests-out", str(out / "requests.csv")])
-    assert code == 0
-    run = json.loads((out / "run.json").read_text())
-    with open(out / "requests.csv") as f:
-        rows = list(csv.DictReader(f))
-    return run, rows
+    return simulate_to_files(EXAMPLES / "cluster.yaml", out, "--set", "workload.num_requests=200",
+                             "--set", "workload.tenants=[{name: chat, max_rate: 12.0, max_burst: 2}]")
 
 
 def _routed_counts(rows) -> list[int]:
