@@ -15,7 +15,9 @@ from typing import Optional
 import numpy as np
 
 from servetune.config import ClusterConfig, SchedulerConfig
-from servetune.envs.sim.outcome import NOT_ROUTED, ClusterOutcome, SimulationOutcome, idle_outcome, merged_outcome
+from servetune.envs.sim.outcome import (
+    NOT_ROUTED, ClusterOutcome, SimulationOutcome, idle_outcome, in_workload_order, merged_outcome,
+)
 from servetune.envs.sim.reference import CostFn, _Engine
 from servetune.envs.workload.requests import Workload, take_rows
 
@@ -162,12 +164,6 @@ def simulate_cluster_reference(workload: Workload, scheduler: SchedulerConfig, c
         if not ids:
             outcomes.append(idle_outcome(workload, start_s))
             continue
-        own = replica(r, horizon_s).outcome()
-        spread = idle_outcome(workload, own.totals.end_s)
-        columns = {name: np.array(getattr(spread.requests, name), dtype=np.asarray(getattr(own.requests, name)).dtype)
-                   for name in own.requests.__dataclass_fields__}
-        for name, column in columns.items():
-            column[np.asarray(ids, np.int64)] = getattr(own.requests, name)
-        outcomes.append(SimulationOutcome(type(own.requests)(**columns), own.totals))
+        outcomes.append(in_workload_order(workload, ids, replica(r, horizon_s).outcome()))
     return ClusterOutcome(merged_outcome(workload, replica_of, outcomes, refused, horizon_s), replica_of,
                           tuple(outcomes))

@@ -1,14 +1,13 @@
 """Host-side entry point to the cluster: a workload, one scheduler config per replica and a router in; the
 cluster's and each replica's outcomes out (``ClusterOutcome``, which ``cluster_reference`` returns too).
 
-A state-free router (round_robin, random) splits the workload before the run, and each replica's share runs
+A router that decides before the run (round_robin, random, prefix_affinity) splits the workload before the run, and each replica's share runs
 as a single engine's (``simulate_seeds``, all replicas in one vmapped call). A router that reads the replicas'
 load routes as they run (``cluster.run_cluster``). One replica is the single engine, every request its own.
 """
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -18,25 +17,13 @@ from servetune.config import ClusterConfig, SchedulerConfig
 from servetune.envs.sim import cluster as lockstep
 from servetune.envs.sim import engine
 from servetune.envs.sim.outcome import (
-    NOT_ARRIVED, NOT_ROUTED, ClusterOutcome, RequestOutcomes, SimulationOutcome, idle_outcome, merged_outcome,
-    routable,
+    NOT_ARRIVED, NOT_ROUTED, ClusterOutcome, idle_outcome, in_workload_order, merged_outcome, routable,
 )
 from servetune.envs.sim.simulator import (
     INITIAL_POOL, POOL_GROWTH, device_trace, engine_params, is_scored, iteration_guard, outcome_from_state,
     padded_trace, queue_shape_for, request_rows, simulate_seeds, simulate_workload, slot_schedule,
 )
 from servetune.envs.workload.requests import Workload, take_rows
-
-
-def _in_workload_order(workload: Workload, ids: np.ndarray, outcome: SimulationOutcome) -> SimulationOutcome:
-    """A replica's outcome over its requests `ids` spread over the whole workload's rows (NOT_ARRIVED elsewhere)."""
-    base = idle_outcome(workload, outcome.totals.end_s).requests
-    columns = {}
-    for f in dataclasses.fields(RequestOutcomes):
-        column = np.array(getattr(base, f.name), dtype=np.asarray(getattr(outcome.requests, f.name)).dtype)
-        column[ids] = getattr(outcome.requests, f.name)
-        columns[f.name] = column
-    return SimulationOutcome(RequestOutcomes(**columns), outcome.totals)
 
 
 def _start_s(workload: Workload, horizon_s: Optional[float]) -> float:
@@ -54,7 +41,7 @@ def _static_run(workload, scheduler, cluster, cost_fn, cost_params, horizon_s, s
                           None if slos is None else [slos[shares[r]] for r in served])
     outcomes = [idle_outcome(workload, _start_s(workload, horizon_s))] * cluster.replicas
     for r, run in zip(served, runs):
-        outcomes[r] = _in_workload_order(workload, shares[r], run)
+        outcomes[r] = in_workload_order(workload, shares[r], run)
     return replica, outcomes
 
 
@@ -88,7 +75,7 @@ def _lockstep_run(workload, scheduler, cluster, cost_fn, cost_params, horizon_s,
         ids = np.flatnonzero(replica == r)
         lane = jax.tree_util.tree_map(lambda x: x[r], state.replicas)
         share = take_rows(workload, ids, workload.arrival_s[ids])
-        outcomes.append(_in_workload_order(workload, ids, outcome_from_state(share, lane, horizon_s)))
+        outcomes.append(in_workload_order(workload, ids, outcome_from_state(share, lane, horizon_s)))
     return replica, outcomes
 
 

@@ -140,3 +140,15 @@ def idle_outcome(workload, start_s: float) -> SimulationOutcome:
                                np.zeros(n))
     totals = EngineTotals(start_s, 0, 0, 0.0, 0.0, np.zeros(ITL_HIST_BINS, np.int64))
     return SimulationOutcome(requests, totals)
+
+
+def in_workload_order(workload, ids: np.ndarray, outcome: SimulationOutcome) -> SimulationOutcome:
+    """A replica's outcome over its requests ``ids`` (its rows, in order) spread over the whole workload's rows,
+    NOT_ARRIVED elsewhere; its totals as they are."""
+    base = idle_outcome(workload, outcome.totals.end_s).requests
+    columns = {}
+    for f in dataclasses.fields(RequestOutcomes):
+        column = np.array(getattr(base, f.name), dtype=np.asarray(getattr(outcome.requests, f.name)).dtype)
+        column[np.asarray(ids, np.int64)] = getattr(outcome.requests, f.name)
+        columns[f.name] = column
+    return SimulationOutcome(RequestOutcomes(**columns), outcome.totals)
