@@ -277,21 +277,19 @@ def _empty_traces(requests: engine.Trace, lanes: int) -> engine.Trace:
                    ttft_budget=jnp.full((lanes, n), NO_DEADLINE_S, f32))
 
 
-def run_cluster(requests: engine.Trace, draws, params: engine.EngineParams, router: RouterParams, cost_fn: Callable,
-                num_slots: int, queue_shape: Optional[engine.QueueShape], num_replicas: int) -> ClusterState:
-    """Configs' clusters over one workload: `params` per lane (configs × replicas, each config's params
-    repeated per replica), `router` per config. Pure; stops early when a lane outgrows its tables."""
+def init_cluster(requests: engine.Trace, params: engine.EngineParams, num_slots: int,
+                 queue_shape: Optional[engine.QueueShape], num_replicas: int) -> ClusterState:
+    """Nothing routed yet: every lane's table empty (`params` per lane, configs × replicas). Every replica's clock
+    starts at the first arrival, or at `params`' horizon if that comes first, as a single engine's does."""
     lanes = params.max_num_seqs.shape[0]
     num_configs = lanes // num_replicas
     n = requests.prompt.shape[0]
-    queue = engine.waiting_queue(queue_shape)
     traces = _empty_traces(requests, lanes)
-    # Every replica's clock starts at the first arrival (or the horizon before it), as a single engine's does.
     first_hi = jnp.minimum(requests.arrival_hi[0], params.horizon_hi)
     starts = replace(params, horizon_hi=first_hi, horizon_lo=jnp.where(
         requests.arrival_hi[0] < params.horizon_hi, requests.arrival_lo[0], params.horizon_lo))
     replicas = jax.vmap(lambda t, p: engine.init_state(t, p, num_slots, queue_shape))(traces, starts)
-    cs = ClusterState(
+    return ClusterState(
         replicas=replicas, traces=traces, routed=jnp.zeros(lanes, i32),
         replica_of=jnp.full((num_configs, n), NOT_ROUTED, i32), row_of=jnp.zeros((num_configs, n), i32),
         next_request=jnp.zeros(num_configs, i32), routed_count=jnp.zeros(num_configs, i32),
@@ -299,11 +297,29 @@ def run_cluster(requests: engine.Trace, draws, params: engine.EngineParams, rout
         reported_hi=jnp.full(num_configs, -jnp.inf, f32), reported_lo=jnp.zeros(num_configs, f32),
         finished=jnp.zeros(num_configs, bool),
     )
-    cs = jax.lax.while_loop(
+
+
+def run_cluster_from(requests: engine.Trace, draws, params: engine.EngineParams, router: RouterParams,
+                     cs: ClusterState, cost_fn: Callable, num_slots: int, queue_shape: Optional[engine.QueueShape],
+                     num_replicas: int) -> ClusterState:
+    """Continue `cs` up to `params`' horizon (every arrival before it routed, every step that starts before it
+    run), under `router` (which may differ from the one before: a controller steers it an interval at a time).
+    Nothing is flushed, so the state stays resumable; stops early when a lane outgrows its tables."""
+    queue = engine.waiting_queue(queue_shape)
+    cs = replace(cs, finished=jnp.zeros_like(cs.finished))
+    return jax.lax.while_loop(
         lambda cs: ~jnp.all(cs.finished) & ~_outgrown(cs),
         lambda cs: _cluster_iteration(requests, draws, params, router, cs, cost_fn, num_slots, queue, num_replicas),
         cs,
     )
+
+
+def run_cluster(requests: engine.Trace, draws, params: engine.EngineParams, router: RouterParams, cost_fn: Callable,
+                num_slots: int, queue_shape: Optional[engine.QueueShape], num_replicas: int) -> ClusterState:
+    """Configs' clusters over one workload: `params` per lane (configs × replicas, each config's params
+    repeated per replica), `router` per config. Pure; stops early when a lane outgrows its tables."""
+    cs = init_cluster(requests, params, num_slots, queue_shape, num_replicas)
+    cs = run_cluster_from(requests, draws, params, router, cs, cost_fn, num_slots, queue_shape, num_replicas)
     return replace(cs, replicas=jax.vmap(engine.flush_running)(cs.replicas))
 
 
