@@ -386,17 +386,53 @@ ROUTER_FEATURES = ("queue", "running", "kv_utilization", "prefix_hit")
 STATE_FREE_ROUTERS = ("round_robin", "random", "prefix_affinity")
 
 
+GroupName = Annotated[str, Strict(), Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", description=(
+    "a name of at most 64 letters, digits, '.', '_' and '-', starting with a letter or digit, such as h100-pool"))]
+
+
+@dataclass(frozen=True)
+class ReplicaGroupConfig:
+    """One item of ``cluster.replicas`` as a list: ``count`` replicas of one engine, each on ``hardware`` with
+    ``cost_model`` and ``scheduler``. A section left out is the config's top-level one; a section given is
+    merged over it key by key (a cost_model of another kind starts from that kind's defaults instead: the
+    top-level one's coefficients or profile are not its own). The loader fills every section and the name, so a
+    loaded group holds the engine it simulates."""
+    __pydantic_config__ = VALIDATION
+    # `count`, not `replicas`: the group is already an item of cluster.replicas, and cluster.replicas[1].count
+    # reads as what it is, how many replicas of this group
+    count: Annotated[Int, Field(ge=1, le=4096)]
+    # names the group in run.json, the console and exported file names; null: its GPU's name (with `-<index>`
+    # when groups share a GPU)
+    name: Optional[GroupName] = None
+    hardware: Any = None             # a mapping merged over the top-level hardware (HardwareConfig once loaded)
+    cost_model: Any = None           # ... over the top-level cost_model (CostModelConfig once loaded)
+    scheduler: Any = None            # ... over the top-level scheduler (SchedulerConfig once loaded)
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
-    """Replicas of the engine, each running ``scheduler`` on ``hardware``, behind one router."""
-    # a number of identical replicas; the loader refuses a list of replica groups, which is not simulated yet
-    replicas: Annotated[Any, Field(description="a number of replicas, 1 to 4096")] = 1
+    """Replicas of the engine behind one router: ``replicas`` identical ones, each running the config's
+    ``scheduler`` on its ``hardware``, or a list of replica groups (ReplicaGroupConfig), each its own engine."""
+    # a number of identical replicas, or a list of replica groups (a tuple of ReplicaGroupConfig once loaded)
+    replicas: Annotated[Any, Field(description=(
+        "a number of replicas, 1 to 4096, or a list of replica groups "
+        "[{count, name, hardware, cost_model, scheduler}, ...]"))] = 1
     router: Literal[ROUTERS] = "round_robin"
     # weighted: {feature: weight} over ROUTER_FEATURES; a replica's score is the weighted sum of its signals
     router_weights: Any = None
     # the router sees each replica's load as of its last report, every signal_delay_s seconds (0: as it is)
     signal_delay_s: SecondsOrZero = 0.0
     seed: Seed = 0                   # random and power_of_two: the router's draws
+
+    @property
+    def has_groups(self) -> bool:
+        """Whether ``replicas`` is a list of replica groups (even a list of one)."""
+        return isinstance(self.replicas, tuple)
+
+    @property
+    def num_replicas(self) -> int:
+        """Replicas in all: ``replicas``, or the groups' counts summed."""
+        return sum(group.count for group in self.replicas) if self.has_groups else self.replicas
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from servetune.config import (
     MAX_CLOCK_S, MAX_KV_TOKENS, MAX_TOKEN_COUNT, ROUTER_FEATURES, STATE_FREE_ROUTERS, STEERABLE_KNOBS, VALIDATION, ArrivalsConfig, ClusterConfig,
     Config, CostModelConfig,
     ColumnsConfig, Float, GpuDefinition, HardwareConfig, Int, KnobConfig, LengthsConfig, LognormalConfig, RampUpConfig,
-    RangeRatioConfig, Rate, RlConfig, SchedulerConfig, SearchConfig, Seed, TenantConfig, TokenCount, WorkloadConfig,
+    RangeRatioConfig, Rate, ReplicaGroupConfig, RlConfig, SchedulerConfig, SearchConfig, Seed, TenantConfig, TokenCount, WorkloadConfig,
 )
 from servetune.cost_models.catalog import as_config_fields, catalogue_gpu, resolve_gpu, resolve_model
 from servetune.cost_models.memory import KvCapacity, kv_capacity
@@ -933,26 +933,29 @@ MAX_REPLICAS = 4096
 ROUTER_WEIGHTS_KEY = "cluster.router_weights"
 
 
-def _check_cluster(config: Config, report: _Reporter) -> ClusterConfig:
-    """A number of replicas; router weights (a mapping of ROUTER_FEATURES to finite numbers, kept as pairs in
-    ROUTER_FEATURES order) with the weighted router only; and what the cluster simulator does not model yet,
-    refused by name rather than simulated as something else."""
+def _check_cluster(config: Config, report: _Reporter, base_dir: Path) -> ClusterConfig:
+    """A number of replicas or a list of replica groups (``_check_replica_groups``); router weights (a mapping of
+    ROUTER_FEATURES to finite numbers, kept as pairs in ROUTER_FEATURES order) with the weighted router only; and
+    what the cluster simulator does not model yet, refused by name rather than simulated as something else."""
     cluster = config.cluster
     replicas = cluster.replicas
     if isinstance(replicas, (list, tuple)):
-        raise report.bad_value("cluster.replicas", replicas, "a number of identical replicas: replica groups with "
-                               "their own hardware, cost_model and scheduler are not simulated yet")
-    if not _has_type(replicas, Int) or not 1 <= replicas <= MAX_REPLICAS:
-        raise report.bad_value("cluster.replicas", replicas, f"an integer in [1, {MAX_REPLICAS}]")
+        cluster = dataclasses.replace(cluster, replicas=_check_replica_groups(config, replicas, report, base_dir))
+    elif not _has_type(replicas, Int) or not 1 <= replicas <= MAX_REPLICAS:
+        raise report.bad_value("cluster.replicas", replicas, f"an integer in [1, {MAX_REPLICAS}], or a list of "
+                                                             f"replica groups {GROUP_KEYS_TEXT}")
     if config.workload.sessions is not None:
         raise report.bad_value("workload.sessions", "a mapping", "null with a cluster: closed-loop sessions behind "
                                "a router are not simulated yet")
-    if config.scheduler.enable_prefix_caching and cluster.router not in STATE_FREE_ROUTERS:
-        # Each replica's cache hits depend on the requests it gets, which a load-reading router decides as the
-        # run goes; the simulator computes hits before the run (envs/sim/prefix_cache.py).
-        raise report.bad_value("scheduler.enable_prefix_caching", True,
-                               f"false behind the {cluster.router} router: a prefix cache per replica is simulated "
-                               f"only behind {', '.join(STATE_FREE_ROUTERS)}")
+    for key, scheduler in _cluster_schedulers(config, cluster):
+        if scheduler.enable_prefix_caching and cluster.router not in STATE_FREE_ROUTERS:
+            # Each replica's cache hits depend on the requests it gets, which a load-reading router decides as the
+            # run goes; the simulator computes hits before the run (envs/sim/prefix_cache.py).
+            raise report.bad_value(f"{key}.enable_prefix_caching", True,
+                                   f"false behind the {cluster.router} router: a prefix cache per replica is "
+                                   f"simulated only behind {', '.join(STATE_FREE_ROUTERS)}")
+    if cluster.has_groups and cluster.router not in STATE_FREE_ROUTERS:
+        _check_groups_step_together(cluster, report)
     weights = cluster.router_weights
     if cluster.router != "weighted":
         if weights is not None:
@@ -969,7 +972,140 @@ def _check_cluster(config: Config, report: _Reporter) -> ClusterConfig:
     return dataclasses.replace(cluster, router_weights=pairs)
 
 
-def _check_cross_field(config: Config, report: _Reporter, base_dir: Path) -> Config:
+GROUP_KEYS_TEXT = "[{count, name, hardware, cost_model, scheduler}, ...]"
+# A replica group's engine sections: each merged over the config's top-level one of the same name.
+GROUP_SECTIONS = {"hardware": HardwareConfig, "cost_model": CostModelConfig, "scheduler": SchedulerConfig}
+
+
+def _cluster_schedulers(config: Config, cluster: ClusterConfig) -> list[tuple[str, SchedulerConfig]]:
+    """(the key its messages name, scheduler) of every engine in the cluster: each group's, or the config's."""
+    if not cluster.has_groups:
+        return [("scheduler", config.scheduler)]
+    return [(f"cluster.replicas[{index}].scheduler", group.scheduler) for index, group in enumerate(cluster.replicas)]
+
+
+class _GroupReporter(_RenamedReporter):
+    """Reports a replica group's engine checks, which are the top-level sections' rules, under the group's keys:
+    ``scheduler.max_num_seqs`` as ``cluster.replicas[1].scheduler.max_num_seqs``."""
+
+    def __init__(self, report: _Reporter, where: str) -> None:
+        self.source, self.overrides = report.source, report.overrides
+        self.renames = {section: f"{where}.{section}" for section in GROUP_SECTIONS}
+
+    def _shown(self, text: str) -> str:
+        for rules_key, shown_key in self.renames.items():
+            text = re.sub(rf"(?<![\w.\[\]]){re.escape(rules_key)}(?=$|[.\s?,;)])", shown_key, text)
+        return text
+
+
+# Scheduler fields a group's own choice leaves unread, so that the top-level values of them are not inherited:
+# (the field the group sets, the value's test of whether it reads them, the fields it would read).
+_CHOICE_READS = (
+    ("policy", lambda policy: policy == "static", ("batch_size", "max_wait_s")),
+    ("policy", lambda policy: policy != "static", ("async_scheduling",)),
+    ("queue_order", lambda order: order == "weighted", ("priority_weights",)),
+    ("queue_order", lambda order: order in _PREDICTING_ORDERS, ("length_prediction_noise",)),
+)
+
+
+def _merged_section(name: str, top: Any, own: dict) -> dict:
+    """A group's section as data: the top-level section's values with the group's own over them. A cost_model of
+    another kind, and the scheduler fields a group's own policy or queue order does not read, start from the
+    defaults instead (the top-level values of them were not written for this engine)."""
+    defaults = dataclasses.asdict(GROUP_SECTIONS[name]())
+    inherited = dataclasses.asdict(top)
+    if name == "cost_model" and own.get("kind", top.kind) != top.kind:
+        inherited = defaults
+    if name == "scheduler":
+        for choice, reads, fields in _CHOICE_READS:
+            if choice in own and not reads(own[choice]):
+                inherited.update({field: defaults[field] for field in fields if field not in own})
+    return {**inherited, **own}
+
+
+def _check_replica_groups(config: Config, groups: Sequence, report: _Reporter,
+                          base_dir: Path) -> tuple[ReplicaGroupConfig, ...]:
+    """``cluster.replicas`` as a list: each group a mapping of ReplicaGroupConfig's keys, its sections merged over
+    the top-level ones (``_merged_section``) and checked as they are (``_check_engine``: the model must fit the
+    group's GPU), named (by default its GPU's name), and the replicas in all within MAX_REPLICAS."""
+    if not groups:
+        raise report.bad_value("cluster.replicas", [], f"a number of replicas, or a non-empty list of replica groups "
+                                                       f"{GROUP_KEYS_TEXT}: replica groups with no replicas serve "
+                                                       "nothing")
+    checked = []
+    for index, data in enumerate(groups):
+        where = f"cluster.replicas[{index}]"
+        if isinstance(data, ReplicaGroupConfig):   # a config built in code, or checked before
+            data = {f.name: getattr(data, f.name) for f in dataclasses.fields(data)}
+        if not isinstance(data, dict):
+            raise report.bad_value(where, data, f"a replica group, a mapping with keys {', '.join(_fields(ReplicaGroupConfig))}")
+        if "count" not in data:
+            raise report.error(f"{where}.count", f"missing; expected the group's number of replicas, an integer in "
+                                                 f"[1, {MAX_REPLICAS}]")
+        group = _validated(ReplicaGroupConfig, data, where, report)
+        sections = {}
+        for name, cls in GROUP_SECTIONS.items():
+            own = getattr(group, name)
+            if own is None:
+                sections[name] = getattr(config, name)
+                continue
+            if dataclasses.is_dataclass(own):
+                own = dataclasses.asdict(own)
+            if not isinstance(own, dict):
+                raise report.bad_value(f"{where}.{name}", own, f"a mapping of {name} keys, merged over the config's "
+                                                               f"{name}")
+            sections[name] = _validated(cls, _merged_section(name, getattr(config, name), own), f"{where}.{name}",
+                                        report)
+        engine = _check_engine(dataclasses.replace(config, cluster=None, **sections), _GroupReporter(report, where),
+                               base_dir)
+        checked.append(dataclasses.replace(group, hardware=engine.hardware, cost_model=engine.cost_model,
+                                           scheduler=engine.scheduler))
+    total = sum(group.count for group in checked)
+    if total > MAX_REPLICAS:
+        raise report.bad_value("cluster.replicas", [group.count for group in checked],
+                               f"counts summing to at most {MAX_REPLICAS} replicas (they sum to {total})")
+    return _named_groups(checked, report)
+
+
+def _named_groups(groups: list, report: _Reporter) -> tuple[ReplicaGroupConfig, ...]:
+    """Each group with its name: its own, or its GPU's, with ``-<index>`` when another group has the same GPU."""
+    gpus = [group.hardware.gpu_name for group in groups]
+    named = []
+    for index, group in enumerate(groups):
+        name = group.name
+        if name is None:
+            name = gpus[index] if gpus.count(gpus[index]) == 1 else f"{gpus[index]}-{index}"
+        if name in (earlier.name for earlier in named):
+            raise report.bad_value(f"cluster.replicas[{index}].name", name, "a name no earlier group has (it names "
+                                                                            "the group's exported file)")
+        named.append(dataclasses.replace(group, name=name))
+    return tuple(named)
+
+
+def _check_groups_step_together(cluster: ClusterConfig, report: _Reporter) -> None:
+    """Behind a router that reads load, every replica runs in one compiled engine, stepped together
+    (envs/sim/cluster.py): one kind of waiting queue (fcfs's ring, or a scored pool whose weights each replica
+    has its own of) and one table of predicted lengths for all of them."""
+    first = cluster.replicas[0].scheduler
+    for index, group in enumerate(cluster.replicas[1:], start=1):
+        scheduler = group.scheduler
+        where = f"cluster.replicas[{index}].scheduler"
+        if (scheduler.queue_order == "fcfs") != (first.queue_order == "fcfs"):
+            kind = "fcfs" if first.queue_order == "fcfs" else "an order other than fcfs"
+            raise report.bad_value(f"{where}.queue_order", scheduler.queue_order,
+                                   f"{kind}, as cluster.replicas[0]'s {first.queue_order}, behind the {cluster.router} "
+                                   f"router: replicas stepped together share fcfs's queue or a scored one (under "
+                                   f"{', '.join(STATE_FREE_ROUTERS)} each group runs alone)")
+        if scheduler.length_prediction_noise != first.length_prediction_noise:
+            raise report.bad_value(f"{where}.length_prediction_noise", scheduler.length_prediction_noise,
+                                   f"{first.length_prediction_noise:g}, as cluster.replicas[0]'s, behind the "
+                                   f"{cluster.router} router: replicas stepped together read one table of predicted "
+                                   f"lengths (under {', '.join(STATE_FREE_ROUTERS)} each group runs alone)")
+
+
+def _check_engine(config: Config, report: _Reporter, base_dir: Path) -> Config:
+    """One engine's sections, hardware, cost_model and scheduler, by their own rules and against the model: the
+    config's top-level engine, and each replica group's (``_check_replica_groups``)."""
     config = dataclasses.replace(config, hardware=_check_hardware(config.hardware, report, base_dir))
     scheduler = config.scheduler
     if scheduler.long_prefill_token_threshold > 0 and not scheduler.enable_chunked_prefill:
@@ -984,11 +1120,15 @@ def _check_cross_field(config: Config, report: _Reporter, base_dir: Path) -> Con
     _check_cost_model(config, report, base_dir)
     _check_unread_scheduler_fields(scheduler, report)
     _check_model_and_hardware(config, report, base_dir)
-    config = dataclasses.replace(config, scheduler=_check_queue_order(scheduler, report))
+    return dataclasses.replace(config, scheduler=_check_queue_order(scheduler, report))
+
+
+def _check_cross_field(config: Config, report: _Reporter, base_dir: Path) -> Config:
+    config = _check_engine(config, report, base_dir)
     config = dataclasses.replace(config, workload=_check_workload(config.workload, report, base_dir))
     _check_closed_loop_scheduler(config, report)
     if config.cluster is not None:
-        config = dataclasses.replace(config, cluster=_check_cluster(config, report))
+        config = dataclasses.replace(config, cluster=_check_cluster(config, report, base_dir))
     config = dataclasses.replace(config, search=_check_search(config, report, base_dir))
     return dataclasses.replace(config, rl=_check_rl(config.rl, report))
 
@@ -1372,6 +1512,7 @@ def _check_scenarios(config: Config, scenarios: Any, report: _Reporter, base_dir
         for key, value in scenario.items():
             if not isinstance(key, str) or key.split(".")[0] == "search":
                 raise report.bad_value(where, key, "keys outside the search section, such as workload.arrivals.rate")
+            _check_not_under_groups(f"{where}.{key}", key, config, report)
             _set_dotted(data, key, value)
         variant = _build_config(data, f"{report.source}: {where}", base_dir, _Reporter(f"{report.source}: {where}"))
         # A GPU's file is read here, from the config's folder: the scenario keeps the definition it holds.
@@ -1379,6 +1520,19 @@ def _check_scenarios(config: Config, scenarios: Any, report: _Reporter, base_dir
                               else tuple(value) if isinstance(value, list) else value)
                              for key, value in scenario.items()))
     return tuple(checked)
+
+
+def _check_not_under_groups(where: str, key: str, config: Config, report: _Reporter) -> None:
+    """With replica groups, each group's engine was merged from the top-level sections when the config loaded, so
+    a trial or scenario that changes those sections would change no replica; nor can it set the groups' counts one
+    by one. Searching inside the groups is not supported."""
+    if config.cluster is None or not config.cluster.has_groups:
+        return
+    section = key.split(".")[0]
+    if key == "cluster.replicas" or section in GROUP_SECTIONS:
+        raise report.error(where, f"varies {key}, but cluster.replicas is a list of replica groups, whose engines "
+                                  "and counts are their own; with groups only cluster.router, cluster.signal_delay_s "
+                                  "and cluster.router_weights.<signal> can be searched")
 
 
 def _check_search(config: Config, report: _Reporter, base_dir: Path) -> SearchConfig:
@@ -1405,6 +1559,7 @@ def _check_search(config: Config, report: _Reporter, base_dir: Path) -> SearchCo
                                                       f"scheduler.queue_order is {config.scheduler.queue_order}")
         if section == "cluster":
             _check_cluster_knob(key, knob, dict(knobs), config, report)
+        _check_not_under_groups(f"search.knobs.{key}", key, config, report)
     names = [search.objectives] if isinstance(search.objectives, str) else search.objectives
     if not isinstance(names, (list, tuple)) or not all(isinstance(name, str) for name in names):
         raise report.bad_value("search.objectives", search.objectives, f"a list of {', '.join(OBJECTIVES)}")

@@ -10,7 +10,8 @@ implements the same rules independently; the differential tests compare the two.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -54,11 +55,11 @@ def _first_block_hash(workload: Workload, i: int) -> Optional[int]:
 
 
 class _Router:
-    def __init__(self, cluster: ClusterConfig, workload: Workload) -> None:
+    def __init__(self, cluster: ClusterConfig, num_replicas: int, workload: Workload) -> None:
         self.kind = cluster.router
-        self.num_replicas = cluster.replicas
+        self.num_replicas = num_replicas
         self.weights = [np.float32(dict(cluster.router_weights or ()).get(name, 0.0)) for name in SIGNAL_NAMES]
-        self.draws = _draws(workload.num_requests, cluster.replicas, cluster.seed)
+        self.draws = _draws(workload.num_requests, num_replicas, cluster.seed)
         self.workload = workload
         self.sent = 0
         self.sent_without_prefix = 0
@@ -116,31 +117,52 @@ def _report_time(arrival_s: float, every_s: float) -> float:
     return float(np.floor(np.float32(arrival_s) / every) * every)
 
 
+@dataclass(frozen=True)
+class _Group:
+    """count replicas of one engine (cluster_simulator.EngineGroup's fields, without importing JAX)."""
+    count: int
+    scheduler: SchedulerConfig
+    cost_fn: CostFn
+    cost_params: object
+
+
 def simulate_cluster_reference(workload: Workload, scheduler: SchedulerConfig, cluster: ClusterConfig,
                                cost_fn: CostFn, cost_params, horizon_s: Optional[float] = None,
                                ttft_slo_ms: Optional[np.ndarray] = None,
                                rate_limited: Optional[np.ndarray] = None) -> ClusterOutcome:
+    """``cluster.replicas`` identical replicas of ``scheduler``: one group (``simulate_groups_reference``)."""
+    group = _Group(cluster.replicas, scheduler, cost_fn, cost_params)
+    return simulate_groups_reference(workload, [group], cluster, horizon_s, ttft_slo_ms, rate_limited)
+
+
+def simulate_groups_reference(workload: Workload, groups: Sequence, cluster: ClusterConfig,
+                              horizon_s: Optional[float] = None, ttft_slo_ms: Optional[np.ndarray] = None,
+                              rate_limited: Optional[np.ndarray] = None) -> ClusterOutcome:
     """Route each arrival in arrival order from the replicas' load at that moment, then serve each replica's
-    share as a lone engine would. A replica's load at time t is read off the single-engine reference run of the
-    requests sent to it so far, stopped at t (every step that starts before t run, no decision at or after t
-    taken): the plain definition, replayed from the start for every decision."""
+    share as a lone engine of its group would. ``groups``: each with ``count``, ``scheduler``, ``cost_fn`` and
+    ``cost_params`` (cluster_simulator.EngineGroup), the replicas numbered group by group; ``cluster.replicas``
+    is not read. A replica's load at time t is read off the single-engine reference run of the requests sent to
+    it so far, stopped at t (every step that starts before t run, no decision at or after t taken): the plain
+    definition, replayed from the start for every decision."""
     n = workload.num_requests
+    engines = [group for group in groups for _ in range(group.count)]
     refused = np.zeros(n, bool) if rate_limited is None else np.asarray(rate_limited, bool)
     slos = np.full(n, np.inf) if ttft_slo_ms is None else np.asarray(ttft_slo_ms, float)
     horizon = math.inf if horizon_s is None else float(horizon_s)
-    router = _Router(cluster, workload)
+    router = _Router(cluster, len(engines), workload)
     replica_of = np.full(n, NOT_ROUTED, np.int64)
-    shares: list[list[int]] = [[] for _ in range(cluster.replicas)]
+    shares: list[list[int]] = [[] for _ in engines]
 
     def replica(r: int, until_s: Optional[float]) -> _Engine:
         ids = np.asarray(shares[r], np.int64)
-        engine = _Engine(take_rows(workload, ids, workload.arrival_s[ids]), scheduler, cost_fn, cost_params,
-                         until_s, slos[ids])
+        group = engines[r]
+        engine = _Engine(take_rows(workload, ids, workload.arrival_s[ids]), group.scheduler, group.cost_fn,
+                         group.cost_params, until_s, slos[ids])
         engine.run()
         return engine
 
     def loads(at_s: float) -> list[tuple]:
-        return [_signals(replica(r, at_s)) for r in range(cluster.replicas)]
+        return [_signals(replica(r, at_s)) for r in range(len(engines))]
 
     seen: Optional[list] = None
     reported_at = -math.inf
