@@ -14,7 +14,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import numpy as np
 
@@ -163,15 +163,19 @@ WORKLOAD_WIDE_KEYS = ("not_arrived", "clipped_requests")
 NOT_ROUTED_SEGMENT = "not_routed"
 
 
-def cluster_metrics(workload: Workload, cluster: ClusterOutcome, slos: RequestSlos, num_kv_blocks: int,
-                    percentiles: Sequence[float] = DEFAULT_PERCENTILES) -> dict:
+def cluster_metrics(workload: Workload, cluster: ClusterOutcome, slos: RequestSlos,
+                    num_kv_blocks: Union[int, Sequence[int]], percentiles: Sequence[float] = DEFAULT_PERCENTILES,
+                    groups: Optional[Sequence[str]] = None) -> dict:
     """Each replica as a run of its own, and how the router split the load.
 
-    ``replicas``: per replica, its index, ``routed`` (requests sent to it) and ``compute_metrics`` over exactly
-    those requests (its duration, its ``num_kv_blocks``), less ``WORKLOAD_WIDE_KEYS``. ``routing_split``: each
-    replica's share of the routed requests. ``load_imbalance``: the busiest replica's routed requests over the
-    mean per replica (1 = even, the number of replicas = all on one). Both null when nothing was routed."""
+    ``replicas``: per replica, its index, its ``group`` (``groups``: each replica's group name; left out when
+    None), ``routed`` (requests sent to it) and ``compute_metrics`` over exactly those requests (its duration, its
+    ``num_kv_blocks``: one count for every replica, or one per replica), less ``WORKLOAD_WIDE_KEYS``.
+    ``routing_split``: each replica's share of the routed requests. ``load_imbalance``: the busiest replica's
+    routed requests over the mean per replica (1 = even, the number of replicas = all on one). Both null when
+    nothing was routed."""
     num_replicas = len(cluster.replicas)
+    blocks = [num_kv_blocks] * num_replicas if isinstance(num_kv_blocks, (int, np.integer)) else list(num_kv_blocks)
     sent = cluster.replica != NOT_ROUTED
     routed = np.bincount(cluster.replica[sent], minlength=num_replicas)
     # Each replica's rows in workload order, grouped in one stable sort rather than a pass per replica.
@@ -179,8 +183,9 @@ def cluster_metrics(workload: Workload, cluster: ClusterOutcome, slos: RequestSl
     replicas = []
     for r, (outcome, rows) in enumerate(zip(cluster.replicas, np.split(order, np.cumsum(routed)[:-1]))):
         own = compute_metrics(take_rows(workload, rows, workload.arrival_s[rows]), _rows_of(outcome, rows),
-                              RequestSlos(*(np.asarray(limit)[rows] for limit in slos)), num_kv_blocks, percentiles)
-        replicas.append({"replica": r, "routed": int(routed[r]),
+                              RequestSlos(*(np.asarray(limit)[rows] for limit in slos)), blocks[r], percentiles)
+        group = {} if groups is None else {"group": groups[r]}
+        replicas.append({"replica": r, **group, "routed": int(routed[r]),
                          **{key: value for key, value in own.items() if key not in WORKLOAD_WIDE_KEYS}})
     total = int(routed.sum())
     return {

@@ -63,8 +63,10 @@ seats, with a warning).
 from __future__ import annotations
 
 import dataclasses
+import json
 import shlex
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import yaml
@@ -144,7 +146,11 @@ def in_effect(config: Config) -> dict[str, Any]:
 
 
 def replicas(config: Config) -> int:
-    return 1 if config.cluster is None else config.cluster.replicas
+    return 1 if config.cluster is None else config.cluster.num_replicas
+
+
+def _has_groups(config: Config) -> bool:
+    return config.cluster is not None and config.cluster.has_groups
 
 
 def _model_context_length(config: Config) -> Optional[int]:
@@ -336,8 +342,10 @@ def llm_d_router(config: Config) -> tuple[Optional[str], list[str]]:
         "schedulingProfiles": [{"name": "default", "plugins": [{"pluginRef": "active-request-scorer", "weight": 1},
                                                                {"pluginRef": "max-score-picker"}]}],
     }
+    pods = ("each a vLLM pod serving its replica group's engine file" if cluster.has_groups else
+            "each a vLLM pod serving the engine file without data-parallel-size")
     header = (f"# servetune export for llm-d's inference scheduler (EPP --configFile): {cluster.router} over "
-              f"{cluster.replicas} replicas, each a vLLM pod serving the engine file without data-parallel-size\n")
+              f"{cluster.num_replicas} replicas, {pods}\n")
     warnings = []
     if cluster.signal_delay_s:
         warnings.append(f"llm-d cannot express cluster.signal_delay_s={cluster.signal_delay_s:g}: the "
@@ -528,10 +536,11 @@ def _servetune(policy: Policy) -> tuple[dict, list[str]]:
                       "priority_weights": None if config.scheduler.priority_weights is None
                       else dict(config.scheduler.priority_weights)},
         "hardware": dataclasses.asdict(config.hardware),
-        # Weights as a {signal: weight} mapping too; null without a cluster.
-        "cluster": None if config.cluster is None else {
+        # Weights as a {signal: weight} mapping too; null without a cluster. Replica groups as lists, as YAML holds
+        # them.
+        "cluster": None if config.cluster is None else json.loads(json.dumps({
             **dataclasses.asdict(config.cluster),
-            "router_weights": None if config.cluster.router_weights is None else dict(config.cluster.router_weights)},
+            "router_weights": None if config.cluster.router_weights is None else dict(config.cluster.router_weights)})),
         "priority_order": PRIORITY_ORDER["vllm"],
         "predicted": policy.predicted,
         "spread": policy.spread,
@@ -553,9 +562,13 @@ USAGE = {
 
 
 def export(policy: Policy, engine: str, file_name: str = "FILE", caveats: tuple[str, ...] = ()) -> Exported:
-    """The engine's file; ``caveats``: warnings about the policy itself, ahead of the engine's own."""
+    """The engine's file; ``caveats``: warnings about the policy itself, ahead of the engine's own. A cluster of
+    replica groups exports the router's settings as the file and each group's engine file beside it
+    (``_export_groups``), except to servetune's own policy file, which records the whole cluster."""
     if engine not in ENGINE_WRITERS:
         raise UserError(f"--engine {engine}: expected one of {', '.join(ENGINES)}")
+    if engine != "servetune" and _has_groups(policy.config):
+        return _export_groups(policy, engine, file_name, caveats)
     if engine != "servetune":   # servetune's own file records what was simulated, whatever an engine accepts
         # Requests this long were simulated, which no engine serves on this model.
         check_max_model_len(engine, "scheduler.max_model_len", policy.config.scheduler.max_model_len,
@@ -591,3 +604,63 @@ def export(policy: Policy, engine: str, file_name: str = "FILE", caveats: tuple[
 
 def _num(value: Optional[float]) -> str:
     return "—" if value is None else f"{value:.3g}" if abs(value) < 10 else f"{value:,.1f}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Replica groups: no engine starts a pool of mixed engines from one file.
+
+def group_file_suffix(group_name: str, file_name: str) -> str:
+    """The suffix that replaces ``file_name``'s last one for a group's engine file: x.vllm.yaml ->
+    x.vllm.<group>.yaml (group names are file-name safe: letters, digits, '.', '_' and '-')."""
+    return f".{group_name}{Path(file_name).suffix}"
+
+
+def _export_groups(policy: Policy, engine: str, file_name: str, caveats: tuple[str, ...]) -> Exported:
+    """One engine file per replica group (a single engine's export of the group's own sections, named by the
+    group), and as the file itself the router's settings: the router, its weights and delay, and each group's
+    replicas, GPUs and file. vLLM's data-parallel balancer runs engines of one configuration, so no group gets
+    data-parallel-size; for vLLM a least_outstanding router is also written as llm-d's EndpointPickerConfig."""
+    from servetune.pipeline import replica_engines
+
+    config, cluster = policy.config, policy.config.cluster
+    companions, warnings, groups = [], list(caveats), []
+    for group in replica_engines(config):
+        given = group.config.scheduler.num_kv_blocks != _derived_kv_blocks(group.config)
+        exported = export(Policy(group.config, given, provenance=policy.provenance), engine,
+                          str(Path(file_name).with_suffix(group_file_suffix(group.name, file_name))))
+        suffix = group_file_suffix(group.name, file_name)
+        companions.append((suffix, exported.text))
+        warnings += [f"replica group {group.name}: {warning}" for warning in exported.warnings]
+        groups.append({"name": group.name, "replicas": group.count, "gpu": group.config.hardware.gpu_name,
+                       "tp": group.config.hardware.tp, "cost_model": group.config.cost_model.kind,
+                       "engine_file": str(Path(file_name).with_suffix(suffix))})
+    router = {"router": cluster.router, "router_weights": None if cluster.router_weights is None
+              else dict(cluster.router_weights), "signal_delay_s": cluster.signal_delay_s}
+    if engine == "vllm":
+        router_config, router_warnings = llm_d_router(config)
+        warnings += router_warnings
+        if router_config is not None:
+            companions.append((".llm-d-epp.yaml", router_config))
+        behind = ("llm-d's inference scheduler with the EndpointPickerConfig beside this file" if router_config
+                  else f"a {cluster.router} router of your own")
+        warnings.append(f"vllm: its data-parallel load balancer runs engines of one configuration, so it cannot "
+                        f"balance over replica groups: start each group's replicas as engines of its file (without "
+                        f"data-parallel-size) behind {behind}")
+    else:
+        warnings += [f"{engine} cannot express cluster.{key}={show_yaml(value, quote_text=False)}: it has no router "
+                     "over engines; start each group's replicas behind one" for key, value in router.items()
+                     if not (f"cluster.{key}" in NEUTRAL and NEUTRAL[f"cluster.{key}"] == value)]
+    header = [f"servetune export for {engine}: the router's settings over {cluster.num_replicas} replicas in "
+              f"{len(groups)} replica groups; each group's engine file is beside this one "
+              f"({USAGE[engine].format(file='ENGINE_FILE')})"]
+    if policy.provenance:
+        p = policy.provenance
+        origin = (f"RL policy {p['policy']}" if "policy" in p else f"study {p.get('study')} trial {p.get('trial')}")
+        header.append(f"from {origin} (config {p.get('config_source')}, hash {p.get('config_hash')})")
+    if policy.predicted:
+        m = policy.predicted
+        header.append(f"predicted for the cluster: goodput {_num(m.get('request_goodput'))} req/s, SLO attainment "
+                      f"{_num(m.get('slo_attainment'))}, p99 TTFT {_num(m.get('p99_ttft_ms'))} ms")
+    header += [f"warning: {w}" for w in warnings]
+    body = yaml.safe_dump({**router, "replica_groups": groups}, sort_keys=False, default_flow_style=False)
+    return Exported("".join(f"# {line}\n" for line in header) + body, tuple(warnings), tuple(companions))

@@ -53,8 +53,8 @@ def _names_file(parts: tuple[str, ...]) -> bool:
     overrides are config keys too."""
     if parts[:2] == ("search", "scenarios"):
         parts = parts[2:]
-    return parts in (("model",), ("cost_model", "profile")) or parts[-2:] in (("arrivals", "path"),
-                                                                              ("lengths", "path"))
+    # A replica group's cost model is cluster.replicas.cost_model: its profile is a file as the top-level one is.
+    return parts == ("model",) or parts[-2:] in (("cost_model", "profile"), ("arrivals", "path"), ("lengths", "path"))
 
 
 def _map_file_fields(data, change: Callable[[str], str], parts: tuple[str, ...] = ()):

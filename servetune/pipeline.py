@@ -13,13 +13,14 @@ from servetune.cost_models.catalog import resolve_model
 # The folder a config's relative model path is read from, as the KV-cache sizing reads it.
 from servetune.cost_models.factory import _config_dir, build_cost_model, derive_num_kv_blocks
 from servetune.envs.metrics import DEFAULT_PERCENTILES, cluster_metrics, compute_metrics, segment_metrics
-from servetune.envs.sim.cluster_simulator import simulate_cluster
+from servetune.envs.sim.cluster_simulator import EngineGroup, simulate_groups
 from servetune.envs.sim.outcome import SimulationOutcome
 from servetune.envs.sim.simulator import simulate_timed
 from servetune.envs.workload.admission import rate_limited
 from servetune.envs.workload.slos import per_request_slos
 from servetune.envs.workload.requests import Workload, build_workload
 from servetune.errors import ConfigError, InvalidValue, UserError
+from servetune.objectives import add_goodput_per_gpu
 
 
 @dataclass(frozen=True)
@@ -33,14 +34,70 @@ class RunReport:
     timing: dict               # load_s, compile_s, simulate_s (simulate_s excludes compilation); for a cluster
                                # compile_s and simulate_s are None and compile_and_simulate_s is both together
     replica: Optional[np.ndarray] = None   # a cluster: each request's replica (ClusterOutcome.replica); else None
-    cluster: Optional[dict] = None         # a cluster: run.json's num_gpus and cluster_metrics' keys; else None
+    cluster: Optional[dict] = None         # a cluster: run.json's num_gpus, goodput_per_gpu and cluster_metrics'
+                                           # keys; else None
+
+
+@dataclass(frozen=True)
+class ReplicaEngine:
+    """A cluster's replicas that share one engine: a replica group, or every replica of a cluster without groups."""
+    name: str          # the group's name (a cluster without groups: its GPU's name)
+    count: int
+    config: Config     # the engine as a config of its own: the group's sections, no cluster
+    where: Optional[str] = None   # the group's key, cluster.replicas[i], for messages (None without groups)
+
+    def error(self, message: str) -> str:
+        """``message`` (``<source>: <problem>``, about ``config``) as about this group: ``<source>: <where>:
+        <problem>``."""
+        source = f"{self.config.source or '<config>'}: "
+        if self.where is None:
+            return message
+        return source + f"{self.where}: " + (message[len(source):] if message.startswith(source) else message)
+
+
+def replica_engines(config: Config) -> list[ReplicaEngine]:
+    """The cluster's engines, in replica order (group 0's replicas first): each replica group's, or one for
+    ``cluster.replicas`` identical replicas of the config's own."""
+    alone = dataclasses.replace(config, cluster=None)
+    cluster = config.cluster
+    if not cluster.has_groups:
+        return [ReplicaEngine(config.hardware.gpu_name, cluster.replicas, alone)]
+    return [ReplicaEngine(group.name, group.count, dataclasses.replace(
+                alone, hardware=group.hardware, cost_model=group.cost_model, scheduler=group.scheduler),
+                f"cluster.replicas[{index}]")
+            for index, group in enumerate(cluster.replicas)]
+
+
+def cluster_gpus(config: Config) -> int:
+    """The GPUs a cluster runs on: each engine's tp times its replicas, summed over the groups."""
+    return sum(engine.count * engine.config.hardware.tp for engine in replica_engines(config))
+
+
+def _with_engines(config: Config, engines: Sequence[Config]) -> Config:
+    """``config`` with its replica groups' sections replaced by ``engines``' (one per group, in order)."""
+    groups = tuple(dataclasses.replace(group, scheduler=engine.scheduler)
+                   for group, engine in zip(config.cluster.replicas, engines))
+    return dataclasses.replace(config, cluster=dataclasses.replace(config.cluster, replicas=groups))
+
+
+def _has_groups(config: Config) -> bool:
+    return config.cluster is not None and config.cluster.has_groups
 
 
 def fill_derived(config: Config) -> Config:
     """Fill what the config leaves to be derived: the KV-cache size from the model, GPU, TP and
-    gpu_memory_utilization as vLLM sizes it, and max_model_len (``default_max_model_len``). Not checked against
-    vLLM's start-up rules: that is ``resolve``. The loader has checked that the config's model fits its GPU; a
-    variant of it (a search's trial) that does not is a ConfigError naming the field."""
+    gpu_memory_utilization as vLLM sizes it, and max_model_len (``default_max_model_len``); for each replica group
+    of a cluster from the group's own sections. Not checked against vLLM's start-up rules: that is ``resolve``.
+    The loader has checked that the config's model fits its GPU; a variant of it (a search's trial) that does not
+    is a ConfigError naming the field."""
+    if _has_groups(config):
+        filled = []
+        for engine in replica_engines(config):
+            try:
+                filled.append(fill_derived(engine.config))
+            except ConfigError as error:
+                raise ConfigError(engine.error(str(error))) from None
+        config = _with_engines(config, filled)
     scheduler = config.scheduler
     if scheduler.num_kv_blocks is None:
         try:
@@ -134,9 +191,11 @@ def resolve(config: Config) -> Config:
     """The config as simulated: derived fields filled (``fill_derived``), and a ConfigError if vLLM would
     refuse to start with its knobs, since no deployment could then reproduce the simulation."""
     resolved = fill_derived(config)
-    refusal = vllm_refusal(resolved) or unmodelled_combination(resolved)
-    if refusal is not None:
-        raise ConfigError(f"{resolved.source or '<config>'}: {refusal}")
+    engines = replica_engines(resolved) if _has_groups(resolved) else []
+    for engine in (ReplicaEngine("", 1, resolved), *engines):
+        refusal = vllm_refusal(engine.config) or unmodelled_combination(engine.config)
+        if refusal is not None:
+            raise ConfigError(engine.error(f"{resolved.source or '<config>'}: {refusal}"))
     return resolved
 
 
@@ -161,17 +220,31 @@ def simulate_config(config: Config, window_s: Optional[float] = None,
         return RunReport(config, workload, outcome, metrics, segments, timing)
     # The cluster simulator compiles inside its call (the lock-step engine's tables may grow and recompile), so
     # its compilation is not timed apart: one figure, honestly named, rather than a guessed split.
+    engines = replica_engines(config)
+    groups = [EngineGroup(engine.count, engine.config.scheduler, *_engine_cost_model(engine.config, config,
+                                                                                  cost_fn, cost_params))
+              for engine in engines]
     start = time.perf_counter()
-    run = simulate_cluster(workload, config.scheduler, config.cluster, cost_fn, cost_params,
-                           config.simulation.horizon_s, slos.ttft_ms, limited)
+    run = simulate_groups(workload, groups, config.cluster, config.simulation.horizon_s, slos.ttft_ms, limited)
     timing = {"load_s": load_s, "compile_s": None, "simulate_s": None,
               "compile_and_simulate_s": time.perf_counter() - start}
-    # Every replica has the scheduler's num_kv_blocks, so the cluster's KV occupancy is over all of them.
-    metrics = compute_metrics(workload, run.outcome, slos, config.cluster.replicas * num_kv_blocks, percentiles)
+    # Each replica has its engine's num_kv_blocks, so the cluster's KV occupancy is over all of theirs.
+    replica_blocks = [engine.config.scheduler.num_kv_blocks for engine in engines for _ in range(engine.count)]
+    metrics = compute_metrics(workload, run.outcome, slos, sum(replica_blocks), percentiles)
     segments = segment_metrics(workload, run.outcome, slos, window_s, run.replica)
-    cluster = {"num_gpus": config.cluster.replicas * config.hardware.tp,
-               **cluster_metrics(workload, run, slos, num_kv_blocks, percentiles)}
+    gpus = cluster_gpus(config)
+    cluster = {"num_gpus": gpus, "goodput_per_gpu": add_goodput_per_gpu(metrics, gpus)["goodput_per_gpu"],
+               **cluster_metrics(workload, run, slos, replica_blocks, percentiles,
+                                 [engine.name for engine in engines for _ in range(engine.count)])}
     return RunReport(config, workload, run.outcome, metrics, segments, timing, run.replica, cluster)
+
+
+def _engine_cost_model(engine: Config, config: Config, cost_fn, cost_params) -> tuple:
+    """A replica engine's step-time function and parameters: the config's own, already built, when the engine's
+    cost model, hardware and scheduler are the config's (a cluster without groups), else built for the engine."""
+    same = (engine.cost_model, engine.hardware, engine.scheduler) == (config.cost_model, config.hardware,
+                                                                      config.scheduler)
+    return (cost_fn, cost_params) if same else build_cost_model(engine)
 
 
 # run_document's refusal of --save-detailed with a cluster (the CLI says it before simulating).
@@ -206,7 +279,8 @@ def run_document(report: RunReport, *, percentiles: Sequence[float] = DEFAULT_PE
                  label: Optional[str] = None) -> dict:
     """run.json: the run as `vllm bench serve --save-result [--save-detailed]` writes it
     (``servetune.envs.vllm_format.vllm_result``), then servetune's own metrics, segments, timing, workload,
-    resolved config and software versions; for a cluster, after servetune's metrics, ``num_gpus``, ``replicas``,
+    resolved config and software versions; for a cluster, after servetune's metrics, ``num_gpus``,
+    ``goodput_per_gpu``, ``replicas``,
     ``routing_split`` and ``load_imbalance`` (``cluster_metrics``). ``percentiles`` must be those
     ``simulate_config`` computed. ``save_detailed`` (refused for a cluster) adds vLLM's per-request arrays and
     servetune's ``servetune_slots`` and ``servetune_timeline`` (envs/timeline.py), all from one reference run
