@@ -1043,8 +1043,9 @@ def _check_replica_groups(config: Config, groups: Sequence, report: _Reporter,
             raise report.error(f"{where}.count", f"missing; expected the group's number of replicas, an integer in "
                                                  f"[1, {MAX_REPLICAS}]")
         group = _validated(ReplicaGroupConfig, data, where, report)
+        group_report = _GroupReporter(report, where)
         sections = {}
-        for name, cls in GROUP_SECTIONS.items():
+        for name in GROUP_SECTIONS:
             own = getattr(group, name)
             if own is None:
                 sections[name] = getattr(config, name)
@@ -1054,10 +1055,10 @@ def _check_replica_groups(config: Config, groups: Sequence, report: _Reporter,
             if not isinstance(own, dict):
                 raise report.bad_value(f"{where}.{name}", own, f"a mapping of {name} keys, merged over the config's "
                                                                f"{name}")
-            sections[name] = _validated(cls, _merged_section(name, getattr(config, name), own), f"{where}.{name}",
-                                        report)
-        engine = _check_engine(dataclasses.replace(config, cluster=None, **sections), _GroupReporter(report, where),
-                               base_dir)
+            # Validated as a section of a config, whose pydantic settings (unknown keys refused) sections inherit.
+            merged = _merged_section(name, getattr(config, name), own)
+            sections[name] = getattr(_validated(Config, {name: merged}, "", group_report), name)
+        engine = _check_engine(dataclasses.replace(config, cluster=None, **sections), group_report, base_dir)
         checked.append(dataclasses.replace(group, hardware=engine.hardware, cost_model=engine.cost_model,
                                            scheduler=engine.scheduler))
     total = sum(group.count for group in checked)
