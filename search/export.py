@@ -55,6 +55,14 @@ with fewer active requests receive higher scores") under ``max-score-picker`` an
 signal in [0, 1] before weighting them, so no other router is mapped to them, and a warning says so. Other
 engines have no data-parallel balancer here: the replicas and the router are warnings.
 
+A cluster of replica groups (``cluster.replicas`` as a list) has no one engine file: the export's file is the
+router's settings (router, weights, signal delay, and each group's replicas, GPU, tp and engine file), and each
+group's engine file goes beside it, named by the group (x.vllm.yaml -> x.vllm.<group>.yaml), the group's engine
+exported as a single engine's is, with its own warnings prefixed by the group's name. vLLM's data-parallel
+balancer runs engines of one configuration, so no group's file has data-parallel-size; a least_outstanding
+router is still written as llm-d's EndpointPickerConfig, whose pods may serve different files. servetune's own
+policy file records the whole cluster in one file.
+
 The admission limit ``max_num_queued_reqs`` counts unfinished requests, waiting and running, as vLLM's
 ``max-num-queued-reqs`` does (vllm/v1/engine/async_llm.py); TGI's ``--max-concurrent-requests`` counts the
 same; SGLang's ``max-queued-requests`` counts waiting requests only (so it gets the limit less its running
