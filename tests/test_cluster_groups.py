@@ -118,7 +118,7 @@ def test_the_router_is_searchable_with_groups():
     assert dict(config.search.knobs)["cluster.router"].choices == ("round_robin", "least_outstanding")
 
 
-def test_unread_keys_in_a_group_are_refused_like_the_top_levels():
+def test_a_coefficient_a_groups_cost_model_does_not_read_is_refused():
     message = refusal(grouped([{"count": 1, "cost_model": {"kind": "roofline", "base_s": 0.5}}]))
     assert "cluster.replicas[0].cost_model.base_s: got 0.5" in message, message
 
