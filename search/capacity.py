@@ -217,6 +217,9 @@ def fewest_replicas(config: Config, low: int, high: int, target: Optional[float]
     if config.cluster is None:
         raise UserError("--replicas: the config has no cluster section; add one, such as "
                         "cluster: {router: least_outstanding}")
+    if config.cluster.has_groups:
+        raise UserError("--replicas: cluster.replicas is a list of replica groups, each with its own count; "
+                        "--replicas scans one count of identical replicas, so give cluster.replicas as a number")
     evaluator = evaluator or BatchEvaluator(batch_size=1)
     target = config.slo.attainment_target if target is None else target
     probes = []

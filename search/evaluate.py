@@ -23,12 +23,12 @@ from typing import Any, Callable, Optional, Sequence
 from servetune.config import Config
 from servetune.cost_models.factory import build_cost_model
 from servetune.envs.metrics import compute_metrics
-from servetune.envs.sim.cluster_simulator import simulate_cluster
+from servetune.envs.sim.cluster_simulator import EngineGroup, simulate_groups
 from servetune.envs.sim.simulator import concurrency_bound, simulate_many, slot_schedule
 from servetune.envs.workload.admission import rate_limited
 from servetune.envs.workload.slos import per_request_slos
 from servetune.envs.workload.requests import Workload, build_workload
-from servetune.pipeline import resolve
+from servetune.pipeline import replica_engines, resolve
 
 
 class BatchEvaluator:
@@ -105,19 +105,22 @@ class BatchEvaluator:
 
     def _simulate_cluster(self, runnable: Config, resolved: Config) -> dict:
         workload = self.workload(runnable)
-        cost_fn, cost_params = self._cost_model(runnable)
         slos = per_request_slos(runnable, workload)
-        outcome = simulate_cluster(workload, runnable.scheduler, runnable.cluster, cost_fn, cost_params,
-                                   runnable.simulation.horizon_s, slos.ttft_ms,
-                                   rate_limited(workload, runnable.workload.tenants)).outcome
+        # Each replica group is an engine of its own (a cluster without groups: one group of identical replicas),
+        # simulated with its max_num_seqs lowered as a lone config's is.
+        engines = replica_engines(resolved)
+        groups = [EngineGroup(engine.count, _runnable(engine.config, workload).scheduler,
+                              *self._cost_model(engine.config)) for engine in engines]
+        outcome = simulate_groups(workload, groups, runnable.cluster, runnable.simulation.horizon_s, slos.ttft_ms,
+                                  rate_limited(workload, runnable.workload.tenants)).outcome
         # compute_metrics divides KV block-seconds by the blocks it is given: the cluster's summed block-seconds
         # over every replica's cache, so mean_kv_utilization is the cluster's share of all its blocks in use.
-        cluster_blocks = resolved.cluster.replicas * resolved.scheduler.num_kv_blocks
+        cluster_blocks = sum(engine.count * engine.config.scheduler.num_kv_blocks for engine in engines)
         return {**compute_metrics(workload, outcome, slos, cluster_blocks), "truncated": outcome.totals.truncated}
 
 
 def _replicas(config: Config) -> int:
-    return 1 if config.cluster is None else config.cluster.replicas
+    return 1 if config.cluster is None else config.cluster.num_replicas
 
 
 def _runnable(config: Config, workload: Workload) -> Config:

@@ -187,7 +187,12 @@ def _print_report(console: Console, source: str, report,
     kv_bound = " (what the KV cache holds)" if scheduler.max_model_len is None else ""
     experts = " with expert parallelism" if config.hardware.enable_expert_parallel else ""
     cluster = config.cluster
-    replicas = "" if cluster is None else f" in each of {cluster.replicas} replicas behind {cluster.router} routing"
+    if cluster is not None and cluster.has_groups:
+        groups = ", ".join(f"{g.count} × {g.name} ({g.hardware.gpu_name} ×{g.hardware.tp}, {g.cost_model.kind})"
+                           for g in cluster.replicas)
+        replicas = f" as the default engine; replica groups {groups} behind {cluster.router} routing"
+    else:
+        replicas = "" if cluster is None else f" in each of {cluster.replicas} replicas behind {cluster.router} routing"
     console.print(f"[bold]{source}[/bold]: {report.workload.description}; {config.model} on "
                   f"{config.hardware.gpu_name} ×{config.hardware.tp}{experts}{replicas}, "
                   f"{config.cost_model.kind} cost model, "
@@ -243,9 +248,12 @@ def _print_report(console: Console, source: str, report,
         summary.add_row("worst segment", f"{dimension} {escape(name)}: [{colour}]{segment['slo_attainment']:.1%}[/] "
                                          f"attained, {latency_text}")
     # A cluster's KV occupancy is over every replica's blocks, its steps all replicas' (compute_metrics' totals).
-    pools = "" if cluster is None else f"{cluster.replicas} × "
+    if cluster is not None and cluster.has_groups:
+        pools = " + ".join(f"{g.count} × {g.scheduler.num_kv_blocks:,}" for g in cluster.replicas)
+    else:
+        pools = f"{scheduler.num_kv_blocks:,}" if cluster is None else f"{cluster.replicas} × {scheduler.num_kv_blocks:,}"
     summary.add_row("engine", f"{m['preemptions']} preemptions, mean batch {_num(m['mean_batch_size'])}, "
-                              f"KV occupancy {_pct(m['mean_kv_utilization'])} of {pools}{scheduler.num_kv_blocks:,} "
+                              f"KV occupancy {_pct(m['mean_kv_utilization'])} of {pools} "
                               f"blocks, {m['engine_steps']:,} steps over {m['duration_s']:,.1f} s")
     if m["prefix_cache_hit_rate"] is not None:
         summary.add_row("prefix cache", f"{_pct(m['prefix_cache_hit_rate'])} of prompt blocks found cached")
@@ -270,12 +278,12 @@ def _replica_table(cluster: dict) -> Table:
     table = Table(title=title, title_justify="left")
     # The tail TTFT: the last percentile --metric-percentiles asked for (99 by default).
     tail = [key for key in cluster["replicas"][0] if key.startswith("p") and key.endswith("_ttft_ms")][-1]
-    for column in ("replica", "routed", "share", "completed", "goodput", f"{tail[:-len('_ttft_ms')]} TTFT", "batch",
+    for column in ("replica", "group", "routed", "share", "completed", "goodput", f"{tail[:-len('_ttft_ms')]} TTFT", "batch",
                    "KV"):
         table.add_column(column, justify="right")
     split = cluster["routing_split"] or [None] * len(cluster["replicas"])
     for replica, share in zip(cluster["replicas"], split):
-        table.add_row(str(replica["replica"]), f"{replica['routed']:,}", _pct(share), f"{replica['completed']:,}",
+        table.add_row(str(replica["replica"]), escape(replica["group"]), f"{replica['routed']:,}", _pct(share), f"{replica['completed']:,}",
                       _rate(replica["request_goodput"]), _ms(replica[tail]),
                       _num(replica["mean_batch_size"]), _pct(replica["mean_kv_utilization"]))
     return table

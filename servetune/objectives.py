@@ -73,7 +73,8 @@ OBJECTIVES: dict[str, Objective] = {objective.name: objective for objective in (
               "the load. Unlike goodput it keeps rising past the point where a config serves the configured "
               "load in full", "capacity (req/s)"),
     Objective("goodput_per_gpu", "goodput_per_gpu", True,
-              "goodput per GPU the deployment runs on: request goodput / (cluster.replicas x hardware.tp); with "
+              "goodput per GPU the deployment runs on: request goodput / the GPUs it runs on (hardware.tp, times "
+              "the replicas of a cluster, or summed over its replica groups: count x tp each); with "
               "p99_ttft it finds the cheapest deployment that meets the SLO", "goodput per GPU (req/s)"),
 )}
 

@@ -117,8 +117,9 @@ def test_one_replica_in_lock_step_is_the_single_engine_bit_for_bit():
         config = cluster("least_outstanding", 1)
         draws = router_draws(case.workload.num_requests, 1, 0)
         refused = np.zeros(case.workload.num_requests, bool)
-        _, (one,) = cluster_simulator._lockstep_run(case.workload, case.scheduler, config, step_time_s, case.cost,
-                                                    case.horizon_s, None, refused, draws)
+        group = cluster_simulator.EngineGroup(1, case.scheduler, step_time_s, case.cost)
+        _, (one,) = cluster_simulator._lockstep_run(case.workload, [group], config, case.horizon_s, None, refused,
+                                                    draws)
         for field in dataclasses.fields(single.requests):
             np.testing.assert_array_equal(getattr(one.requests, field.name), getattr(single.requests, field.name),
                                           err_msg=f"{field.name}: {case.describe()}")

@@ -277,3 +277,33 @@ def test_the_mixed_example_gives_the_faster_gpu_more_requests():
     assert [r["group"] for r in replicas] == ["a100", "a100", "h100"]
     assert replicas[2]["routed"] > max(replicas[0]["routed"], replicas[1]["routed"])
     assert replicas[2]["mean_tpot_ms"] < min(replicas[0]["mean_tpot_ms"], replicas[1]["mean_tpot_ms"])
+
+
+# -- search -----------------------------------------------------------------------------------------------
+
+def test_a_study_scores_a_grouped_cluster_as_simulate_runs_it(tp_mix):
+    """The study's evaluator simulates each group as its own engine, as `servetune simulate` does: the same
+    request outcomes, and goodput per GPU over every group's GPUs."""
+    from servetune.search.evaluate import BatchEvaluator
+    from servetune.search.study.scenarios import deployment_gpus
+
+    [(resolved, metrics)] = BatchEvaluator(1).evaluate([tp_mix.config])
+    for key in ("completed", "rejected", "good", "request_goodput", "p99_ttft_ms", "mean_kv_utilization"):
+        assert metrics[key] == tp_mix.metrics[key], key
+    assert deployment_gpus(resolved) == 4
+
+
+def test_a_grouped_cluster_has_no_default_search_space_and_no_replica_scan(tmp_path):
+    from servetune.errors import UserError
+    from servetune.search.capacity import fewest_replicas
+    from servetune.search.study.space import SearchSpace
+
+    config = config_from_dict(grouped([{"count": 2}, {"count": 1, "hardware": {"gpu": "h100-80gb"}}]), "g.yaml")
+    with pytest.raises(UserError, match="search.knobs: cluster.replicas is a list of replica groups"):
+        SearchSpace.from_config(config)
+    with pytest.raises(UserError, match="--replicas: cluster.replicas is a list of replica groups"):
+        fewest_replicas(config, 1, 4)
+    routed = config_from_dict({**grouped([{"count": 2}, {"count": 1, "hardware": {"gpu": "h100-80gb"}}]),
+                               "search": {"knobs": {"cluster.router": {"choices": ["least_outstanding", "least_kv"]}}}},
+                              "g.yaml")
+    assert SearchSpace.from_config(routed).keys == ("cluster.router",)

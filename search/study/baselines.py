@@ -13,6 +13,8 @@
 - ``as-configured``: the config file's own knobs; left out when it is one of the two above (the study then
   says so), since two trials of one configuration would measure it twice.
 
+A cluster of replica groups has only ``as-configured``: its groups' schedulers are their own, not searched.
+
 What vLLM's defaults leave to the deployment -- the model, GPU, KV cache, block size, max_model_len, prefix
 caching -- stays the config's. A baseline's knob value that is not among a range's bounds is recorded as
 Optuna records any enqueued value (with a warning), except None ("no limit"), which no range holds: vllm-default's
@@ -54,6 +56,12 @@ def baselines(config: Config, space: SearchSpace) -> tuple[list[tuple[str, dict]
                                                    for key in space.keys}) for name in (VLLM_DEFAULT, CHUNK_512)]
     configured = {name: configuration(config, values, name) for name, values in candidates}
     chosen, notes = [], []
+    if config.cluster is not None and config.cluster.has_groups:
+        # vLLM's defaults are scheduler settings, and each replica group keeps its own scheduler (search/study/
+        # space.py refuses to search them), so these trials would rerun the configured cluster under other names.
+        notes.append(f"baselines {VLLM_DEFAULT} and {CHUNK_512} left out: cluster.replicas is a list of replica "
+                     "groups, each running its own scheduler settings")
+        candidates = candidates[:1]
     for name, values in candidates:
         outside = space.outside_choices(values)
         unstorable = [knob for knob in space.knobs if knob.spec.choices is None and values[knob.key] is None]

@@ -17,6 +17,7 @@ import numpy as np
 
 from servetune.config import Config
 from servetune.config_loader import config_from_dict
+from servetune.pipeline import cluster_gpus
 from servetune.search.evaluate import BatchEvaluator
 from servetune.objectives import (
     HIGHER_IS_BETTER, LOWER_IS_BETTER, LOWER_IS_BETTER_SUFFIX, add_goodput_per_gpu, add_gpus_needed,
@@ -97,8 +98,8 @@ def evaluate_knobs(evaluator: BatchEvaluator, study_variants: Sequence[Variant],
 
 
 def deployment_gpus(config: Config) -> int:
-    """The GPUs a config runs on: tp per replica, times the cluster's replicas (one without a cluster)."""
-    return config.hardware.tp * (1 if config.cluster is None else config.cluster.replicas)
+    """The GPUs a config runs on: tp for a lone engine; a cluster's, each replica group's tp times its replicas."""
+    return config.hardware.tp if config.cluster is None else cluster_gpus(config)
 
 
 def _combine(study_variants: Sequence[Variant], configs: list[Config], metrics: list[dict],

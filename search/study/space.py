@@ -21,6 +21,7 @@ import numpy as np
 import optuna
 
 from servetune.config import ROUTER_FEATURES, Config, KnobConfig
+from servetune.errors import UserError
 from servetune.envs.sim.queue_order import FEATURES
 
 # The knobs searched when the config has no `search.knobs`. Token budgets start at 512 so that vLLM's rule
@@ -85,6 +86,11 @@ class SearchSpace:
 
     @classmethod
     def from_config(cls, config: Config) -> "SearchSpace":
+        if config.search.knobs is None and config.cluster is not None and config.cluster.has_groups:
+            # The default knobs are the top-level scheduler's, which no replica of a grouped cluster runs.
+            raise UserError(f"{config.source or '<config>'}: search.knobs: cluster.replicas is a list of replica "
+                            "groups, whose engines cannot be searched; name the router's knobs to search, such as "
+                            "search: {knobs: {cluster.router: {choices: [least_outstanding, least_kv]}}}")
         declared = config.search.knobs or DEFAULT_KNOBS[config.scheduler.policy]
         return cls(tuple(Knob(key, spec, _field_type(key)) for key, spec in declared))
 
