@@ -61,11 +61,13 @@ VIDUR_HOST_COLUMNS = {"schedule": "schedule", "prepare_inputs": "prepare_inputs_
                       "process_outputs": "process_model_outputs"}
 MODEL_INDEPENDENT_HOST_PHASES = ("schedule", "prepare_inputs", "process_outputs")
 EFFICIENCIES = ("matmul_compute_efficiency", "matmul_memory_efficiency", "elementwise_memory_efficiency",
-                "attention_compute_efficiency", "attention_memory_efficiency", "allreduce_efficiency")
+                "attention_compute_efficiency", "attention_memory_efficiency", "allreduce_efficiency",
+                "split_kv_memory_efficiency")
 
 
-# Calibration fields no gradient can move (a whole number of tokens): kept by ``fit``, chosen by search.
-NOT_BY_GRADIENT = ("matmul_token_tile",)
+# Calibration fields no gradient can move (whole numbers: a token tile, a work threshold): kept by ``fit``,
+# chosen by search.
+NOT_BY_GRADIENT = ("matmul_token_tile", "split_kv_max_work")
 
 
 def is_fraction(name: str) -> bool:
@@ -460,7 +462,7 @@ def assemble_vidur_steps(operator_raw: dict, attention_raw: dict, num_layers: in
         layer_matmul_io_bytes_per_token=sum(k + n for k, n in matmuls) * DTYPE_BYTES,
         layer_elementwise_bytes_per_token=DTYPE_BYTES * layer_elementwise_elements_per_token(
             o["hidden"], o["q_heads"], o["kv_heads"], o["head_dim"], o["ffn"], o["gated"]),
-        attention_flops_per_pair=4 * a["q_heads"] * a["head_dim"],
+        attention_flops_per_pair=4 * a["q_heads"] * a["head_dim"], attention_query_heads=a["q_heads"],
         kv_bytes_per_token=2 * a["kv_heads"] * a["head_dim"] * DTYPE_BYTES,
         lm_head_weight_bytes=zeros, lm_head_flops_per_seq=zeros, lm_head_io_bytes_per_seq=zeros,
         embedding_bytes_per_token=2 * o["hidden"] * DTYPE_BYTES,
@@ -500,7 +502,7 @@ def assemble_layer_steps(operator_raw: dict, num_layers: int, gpu: GpuSpec, tp: 
         layer_matmul_io_bytes_per_token=sum(k + n for k, n in matmuls) * DTYPE_BYTES,
         layer_elementwise_bytes_per_token=DTYPE_BYTES * layer_elementwise_elements_per_token(
             o["hidden"], o["q_heads"], o["kv_heads"], o["head_dim"], o["ffn"], o["gated"]),
-        attention_flops_per_pair=zeros, kv_bytes_per_token=zeros,
+        attention_flops_per_pair=zeros, attention_query_heads=zeros, kv_bytes_per_token=zeros,
         lm_head_weight_bytes=zeros, lm_head_flops_per_seq=zeros, lm_head_io_bytes_per_seq=zeros,
         embedding_bytes_per_token=2 * o["hidden"] * DTYPE_BYTES,
         allreduces_per_layer=zeros, allreduce_bytes_per_token=zeros, allreduce_ring_steps=zeros,

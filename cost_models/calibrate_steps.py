@@ -46,7 +46,7 @@ from servetune.cost_models.calibrate import (Dataset, FitStatus, error_summary, 
                                              from_calibration, predict, to_calibration)
 from servetune.cost_models.gpus import GpuSpec
 from servetune.cost_models.models import ModelSpec
-from servetune.cost_models.roofline import Calibration, build_roofline_params
+from servetune.cost_models.roofline import Calibration, build_roofline_params, split_kv_decode
 from servetune.errors import UserError, reading_user_file
 from servetune.types import StepBatch
 
@@ -63,7 +63,7 @@ PREFERENCE = ("per_step_overhead_s", "matmul_memory_efficiency", "matmul_compute
               "attention_memory_efficiency", "attention_compute_efficiency", "per_request_overhead_s",
               "roofline_sharpness", "elementwise_memory_efficiency", "allreduce_efficiency", "allreduce_latency_s",
               "kernel_overhead_s", "attention_overhead_s", "allreduce_base_latency_s", "host_multi_gpu_overhead_s",
-              "eager_launch_overhead_s", "attention_causal_pair_ratio")
+              "eager_launch_overhead_s", "attention_causal_pair_ratio", "split_kv_memory_efficiency")
 # Not considered: the host phases' shares (roofline.HOST_PHASES), which split the host time between phases
 # without changing a step's total, so no step time can tell them apart.
 # A parameter is identifiable when moving its unconstrained value by 1 (an efficiency's logit, a time's log)
@@ -75,6 +75,12 @@ MIN_INDEPENDENCE = 0.05
 # cuBLAS's threadblock tiles are 16-256 rows. Each is fitted and the one with the lowest MAPE on the fitted rows
 # kept (``fit_token_tile``), so a held-out fold chooses its own from its training rows.
 TOKEN_TILES = (1, 16, 32, 64, 128, 256)
+# The split-KV rule's threshold (``Calibration.split_kv_max_work``: decode requests × query heads per GPU) is a
+# step function of the rows: every threshold between two neighbouring work values the decode rows hold predicts
+# them alike. The candidates are the starting calibration's, 0 (no split-KV regime) and the geometric midpoints
+# between neighbouring work values (a batch-size grid is geometric), at most this many, evenly spaced among them;
+# a candidate that splits the rows as an earlier one does is not fitted again.
+MAX_SPLIT_KV_CANDIDATES = 12
 
 
 @dataclass
@@ -285,13 +291,15 @@ def calibrate_steps(rows: StepRows, model: ModelSpec, gpu: GpuSpec, tp: int, ini
                     names: Optional[list[str]] = None, folds: int = 5, seed: int = 0, gpu_time_only: bool = False,
                     progress: Callable[[str], None] = lambda message: None, async_scheduling: bool = False,
                     cudagraph_capture_size: Optional[int] = None,
-                    token_tiles: Sequence[int] = TOKEN_TILES) -> StepsCalibration:
+                    token_tiles: Sequence[int] = TOKEN_TILES,
+                    split_kv_thresholds: Optional[Sequence[float]] = None) -> StepsCalibration:
     """Fit ``names`` (default: the identifiable parameters) to the rows, starting from ``initial``, with the
-    matmul token tile of ``token_tiles`` that fits best; report the in-sample and k-fold held-out errors per
-    batch kind next to the uncalibrated roofline's and ``initial``'s."""
+    matmul token tile of ``token_tiles`` and the split-KV threshold of ``split_kv_thresholds`` (default: the
+    candidates ``split_kv_candidates`` draws from the rows) that fit best; report the in-sample and k-fold
+    held-out errors per batch kind next to the uncalibrated roofline's and ``initial``'s."""
     dataset = steps_dataset(rows, model, gpu, tp, gpu_time_only, async_scheduling, cudagraph_capture_size)
     return calibrate_dataset(dataset, rows.kind, gpu, initial, names, folds, seed, str(rows.path), progress,
-                             token_tiles)
+                             token_tiles, split_kv_thresholds)
 
 
 def fit_token_tile(dataset: Dataset, gpu: GpuSpec, initial: Calibration,
@@ -312,21 +320,71 @@ def fit_token_tile(dataset: Dataset, gpu: GpuSpec, initial: Calibration,
     return (*fits[best], {tile: mape[tile] for tile in names_by_tile})
 
 
+def split_kv_candidates(dataset: Dataset, initial: Calibration) -> list[float]:
+    """The split-KV thresholds worth fitting on ``dataset`` (see ``MAX_SPLIT_KV_CANDIDATES``), ``initial``'s
+    first: one for each distinct way of splitting the decode rows between the two kernels."""
+    params, batch = dataset.features["params"], dataset.features["batch"]
+    seqs = np.asarray(batch.num_decode_seqs, dtype=np.float64)
+    work = np.broadcast_to(seqs * np.asarray(params.attention_query_heads, dtype=np.float64), seqs.shape)
+    levels = np.unique(work[seqs > 0])
+    midpoints = np.sqrt(levels[1:] * levels[:-1])
+    if len(midpoints) > MAX_SPLIT_KV_CANDIDATES:
+        midpoints = midpoints[np.unique(np.round(np.linspace(0, len(midpoints) - 1, MAX_SPLIT_KV_CANDIDATES)))
+                              .astype(int)]
+    candidates, seen = [], []
+    for threshold in [float(initial.split_kv_max_work), 0.0, *np.floor(midpoints).tolist()]:
+        trial = dataclasses.replace(initial, split_kv_max_work=jnp.float32(threshold))
+        split = np.asarray(split_kv_decode(trial, params.attention_query_heads, batch.num_decode_seqs,
+                                           batch.decode_context_tokens))
+        if not any(np.array_equal(split, earlier) for earlier in seen):
+            seen.append(split)
+            candidates.append(threshold)
+    return candidates
+
+
+def fit_split_kv(dataset: Dataset, gpu: GpuSpec, start: Calibration, at_start: tuple[Calibration, FitStatus],
+                 thresholds: Sequence[float], names_at: Callable[[float], Sequence[str]]
+                 ) -> tuple[Calibration, FitStatus, dict[float, float]]:
+    """The fit at each split-KV threshold (of the names ``names_at`` gives for it) from ``start`` (the starting
+    calibration at the chosen token tile) with that threshold, ``at_start`` being the fit at ``start``'s own
+    threshold, and the best by MAPE on the fitted rows as ``fit_token_tile`` chooses; also every threshold's
+    MAPE. Each fit starts from ``start``, not from ``at_start``: a fit that had to average the two regimes
+    into one is a poor start for one that separates them."""
+    fits = {}
+    for threshold in thresholds:
+        if threshold == float(start.split_kv_max_work):
+            fits[threshold] = at_start
+            continue
+        trial = dataclasses.replace(start, split_kv_max_work=jnp.float32(threshold))
+        fits[threshold] = fit_from_starts([dataset], gpu, [trial], names_at(threshold))[0]
+    mape = {threshold: error_summary(dataset.measured_s, np.asarray(predict(dataset, calibration, gpu)))["mape_pct"]
+            if np.isfinite(status.loss) else math.nan for threshold, (calibration, status) in fits.items()}
+    candidates = [threshold for threshold in thresholds if fits[threshold][1].converged] or list(thresholds)
+    best = min(candidates, key=lambda threshold: (math.inf if math.isnan(mape[threshold]) else mape[threshold],
+                                                  threshold))
+    return (*fits[best], mape)
+
+
 def calibrate_dataset(dataset: Dataset, kinds: np.ndarray, gpu: GpuSpec, initial: Calibration,
                       names: Optional[list[str]] = None, folds: int = 5, seed: int = 0, label: str = "steps",
                       progress: Callable[[str], None] = lambda message: None,
-                      token_tiles: Sequence[int] = TOKEN_TILES) -> StepsCalibration:
+                      token_tiles: Sequence[int] = TOKEN_TILES,
+                      split_kv_thresholds: Optional[Sequence[float]] = None) -> StepsCalibration:
     """``calibrate_steps`` on a data set of whole steps (any step kind ``predict`` knows), each row's batch kind
-    given by ``kinds``; ``label`` starts the error messages. The parameters fitted at each token tile are
-    ``names``, or those the rows identify at that tile (the step shapes decide, not the measured times)."""
-    plans = {}
-    for tile in token_tiles:
-        at_tile = dataclasses.replace(initial, matmul_token_tile=jnp.float32(tile))
-        identifiable, left_out = identifiable_parameters(dataset, gpu, at_tile)
+    given by ``kinds``; ``label`` starts the error messages. The parameters fitted at each token tile and
+    split-KV threshold are ``names``, or those the rows identify there (the step shapes decide, not the
+    measured times). The tile is chosen first (at ``initial``'s threshold), then the threshold at that tile."""
+    cached_plans: dict[tuple[int, float], tuple[list[str], dict[str, str]]] = {}
+
+    def plan_at(tile: int, threshold: float) -> tuple[list[str], dict[str, str]]:
         if names is not None:
-            identifiable = list(names)
-            left_out = {name: "not asked for (--fit)" for name in PREFERENCE if name not in names}
-        plans[tile] = (identifiable, left_out)
+            return list(names), {name: "not asked for (--fit)" for name in PREFERENCE if name not in names}
+        if (tile, threshold) not in cached_plans:
+            cached_plans[tile, threshold] = identifiable_parameters(dataset, gpu, dataclasses.replace(
+                initial, matmul_token_tile=jnp.float32(tile), split_kv_max_work=jnp.float32(threshold)))
+        return cached_plans[tile, threshold]
+
+    plans = {tile: plan_at(tile, float(initial.split_kv_max_work)) for tile in token_tiles}
     largest = max((fitted for fitted, _ in plans.values()), key=len)
     if not largest:
         raise UserError(f"{label}: these steps move none of the roofline's parameters; nothing to fit")
@@ -343,18 +401,33 @@ def calibrate_dataset(dataset: Dataset, kinds: np.ndarray, gpu: GpuSpec, initial
     names_by_tile = {tile: fitted for tile, (fitted, _) in plans.items() if fitted}
     progress(f"fitting up to {len(largest)} parameters ({', '.join(largest)}) on {rows} steps at matmul token "
              f"tile {', '.join(str(tile) for tile in names_by_tile)}")
-    calibration, status, tile_mape = fit_token_tile(dataset, gpu, initial, names_by_tile)
+
+    def fit_rows(training: Dataset) -> tuple[Calibration, FitStatus, dict[int, float], dict[float, float]]:
+        """The fit on ``training``; the split-KV candidates come from its rows alone, so a held-out fold's
+        work values do not place them."""
+        thresholds = (split_kv_candidates(training, initial) if split_kv_thresholds is None
+                      else [float(threshold) for threshold in split_kv_thresholds])
+        *at_tile, tile_mape = fit_token_tile(training, gpu, initial, names_by_tile)
+        if len(thresholds) == 1 and thresholds[0] == float(initial.split_kv_max_work):
+            return (*at_tile, tile_mape, {})
+        tile = int(at_tile[0].matmul_token_tile)
+        start = dataclasses.replace(initial, matmul_token_tile=jnp.float32(tile))
+        fitted, status, threshold_mape = fit_split_kv(training, gpu, start, tuple(at_tile), thresholds,
+                                                      lambda threshold: plan_at(tile, threshold)[0])
+        return fitted, status, tile_mape, threshold_mape
+
+    calibration, status, tile_mape, threshold_mape = fit_rows(dataset)
     converged = status.converged
-    tile = int(calibration.matmul_token_tile)
-    names, left_out = plans[tile]
+    names, left_out = plan_at(int(calibration.matmul_token_tile), float(calibration.split_kv_max_work))
     progress(f"{folds}-fold cross-validation by step shape")
     assignment = fold_of([dataset], folds, seed)[0]
     held_out = np.full(rows, np.nan)
-    fold_tiles = []
+    fold_tiles, fold_thresholds = [], []
     for k in range(folds):
         training = dataset.subset(assignment != k)
-        fold_calibration, fold_status, _ = fit_token_tile(training, gpu, initial, names_by_tile)
+        fold_calibration, fold_status, _, _ = fit_rows(training)
         fold_tiles.append(int(fold_calibration.matmul_token_tile))
+        fold_thresholds.append(float(fold_calibration.split_kv_max_work))
         converged = converged and fold_status.converged
         held = assignment == k
         held_out[held] = np.asarray(predict(dataset.subset(held), fold_calibration, gpu))
@@ -366,6 +439,9 @@ def calibrate_dataset(dataset: Dataset, kinds: np.ndarray, gpu: GpuSpec, initial
               "matmul_token_tile": int(calibration.matmul_token_tile),
               "token_tile_fit_mape_pct": {str(tile): mape for tile, mape in tile_mape.items()},
               "fold_token_tiles": fold_tiles,
+              "split_kv_max_work": float(calibration.split_kv_max_work),
+              "split_kv_fit_mape_pct": {f"{threshold:g}": mape for threshold, mape in threshold_mape.items()},
+              "fold_split_kv_max_work": fold_thresholds,
               "optimizer": {"message": status.message, "iterations": status.iterations, "loss": status.loss},
               "batch_kinds": _by_kind(dataset.measured_s, kinds, predictions)}
     return StepsCalibration(calibration=calibration, fitted=list(names), left_out=left_out, status=status,

@@ -6,7 +6,8 @@
 Only ``calibration`` is needed to cost a step; the rest records where the numbers came from and how well they
 did. ``calibration`` must hold the fields every profile has had (``REQUIRED_FIELDS``); the fields added since
 (the host phases' shares, ``host_multi_gpu_overhead_s``, ``allreduce_base_latency_s``,
-``eager_launch_overhead_s``, ``matmul_token_tile``, ``attention_causal_pair_ratio``) may be absent, and then
+``eager_launch_overhead_s``, ``matmul_token_tile``, ``attention_causal_pair_ratio``, the split-KV decode regime's
+``split_kv_max_work`` and ``split_kv_memory_efficiency``) may be absent, and then
 take ``Calibration``'s defaults (documented there and in docs/cost-models.md), so a profile written before
 them still loads and costs a TP 1 step as it did. A profile holds fractions of the datasheet peaks, so applying
 it to another GPU or model is an extrapolation (the accuracy section says what it was measured on).
@@ -93,6 +94,9 @@ _TOKEN_TILE = (f"a whole number of tokens from 1 to {MAX_TOKEN_TILE}",
                lambda value: 1 <= value <= MAX_TOKEN_TILE and value == int(value))
 # A causal-block pair against a cached-prefix pair: a kernel's masking or extra pass, not orders of magnitude.
 _PAIR_RATIO = ("a ratio in (0, 100]", lambda value: 0 < value <= 100)
+# The split-KV rule's threshold: decode requests × query heads per GPU, far above any batch only by mistake.
+_SPLIT_KV_WORK = ("a whole number of decode requests × query heads, 0 (no split-KV regime) or more, at most 2^31",
+                  lambda value: 0 <= value <= 2**31 and value == int(value))
 
 
 def _value_rule(name: str) -> tuple[str, Callable[[float], bool]]:
@@ -100,6 +104,8 @@ def _value_rule(name: str) -> tuple[str, Callable[[float], bool]]:
         return _TOKEN_TILE
     if name == "attention_causal_pair_ratio":
         return _PAIR_RATIO
+    if name == "split_kv_max_work":
+        return _SPLIT_KV_WORK
     if name.endswith("_efficiency"):
         return _EFFICIENCY
     if name.endswith("_share"):

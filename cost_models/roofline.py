@@ -138,6 +138,18 @@ class Calibration:
     # prefill kernel) handles the chunk and the prefix in separate passes, does not pay the same per pair.
     # 1 (the default, and the shipped profiles') prices every pair alike.
     attention_causal_pair_ratio: jnp.ndarray = 1.0
+    # A second decode-attention kernel and the engine's rule for choosing it (docs/cost-models.md, "Split-KV
+    # decode attention"): vLLM 0.2's paged attention ran decodes with one thread block per (sequence, head) (V1)
+    # unless the decodes' sequences × query heads per GPU were at most 512 and the longest context spanned more
+    # than one 512-token partition, when a split-KV kernel (V2) ran each partition in its own block and a second
+    # kernel reduced them. A decode step whose decode requests × query heads per GPU are at most
+    # ``split_kv_max_work`` (and whose mean context exceeds ``SPLIT_KV_PARTITION_TOKENS``, or exceeds
+    # ``SPLIT_KV_MAX_SINGLE_PASS_CONTEXT`` at any batch) reads its KV cache at ``split_kv_memory_efficiency``
+    # instead of ``attention_memory_efficiency`` and launches the reduction kernel in every layer. 0 (the
+    # default, and the shipped profiles') means the engine has one decode kernel (vLLM V1's FlashAttention):
+    # the rule never fires. A whole number: ``calibrate --steps`` chooses it by fit, since no gradient can move it.
+    split_kv_max_work: jnp.ndarray = 0.0
+    split_kv_memory_efficiency: jnp.ndarray = 0.8
 
     @classmethod
     def from_dict(cls, values: dict) -> "Calibration":
@@ -162,6 +174,7 @@ class RooflineParams:
     layer_matmul_io_bytes_per_token: jnp.ndarray  # activations the layer's matmuls read and write
     layer_elementwise_bytes_per_token: jnp.ndarray
     attention_flops_per_pair: jnp.ndarray     # per layer, per (query, key) pair: QKᵀ and PV
+    attention_query_heads: jnp.ndarray        # query heads per GPU: the work unit of the split-KV rule
     kv_bytes_per_token: jnp.ndarray           # per layer: one token's K and V
     lm_head_weight_bytes: jnp.ndarray
     lm_head_flops_per_seq: jnp.ndarray
@@ -281,6 +294,7 @@ def build_roofline_params(model: ModelSpec, gpu: GpuSpec, tp: int,
         layer_matmul_io_bytes_per_token=f32(layer_io * DTYPE_BYTES),
         layer_elementwise_bytes_per_token=f32(elementwise * DTYPE_BYTES),
         attention_flops_per_pair=f32(attention_flops_per_pair),
+        attention_query_heads=f32(q_heads),
         kv_bytes_per_token=f32(kv_bytes_per_token_layer(model, tp)),
         lm_head_weight_bytes=f32(h * vocab * DTYPE_BYTES),
         lm_head_flops_per_seq=f32(2 * h * vocab),
@@ -330,6 +344,23 @@ def experts_touched(miss_probability, tokens):
     ``1 - (1 - k/E)^T`` (``miss_probability`` = 1 - k/E); times E it is the expected number of distinct experts
     whose weights the step reads."""
     return 1.0 - miss_probability ** tokens
+
+
+# vLLM 0.2.x's paged attention V2 (vllm/model_executor/layers/attention.py, v0.2.3): ``_PARTITION_SIZE = 512``
+# tokens per split, and V1 is used only up to a context of 8,192 (shared memory); the split-KV rule's constants.
+SPLIT_KV_PARTITION_TOKENS = 512.0
+SPLIT_KV_MAX_SINGLE_PASS_CONTEXT = 8192.0
+
+
+def split_kv_decode(calibration: "Calibration", query_heads, decode_seqs, decode_context_tokens) -> jnp.ndarray:
+    """1 where the engine's rule runs a step's decodes on the split-KV kernel, else 0 (``Calibration``'s
+    ``split_kv_max_work``). vLLM's rule reads the longest context; a step summary has the mean, which stands for
+    it (equal when the decodes' contexts are equal)."""
+    threshold = jax.lax.stop_gradient(calibration.split_kv_max_work)
+    context = decode_context_tokens / jnp.maximum(decode_seqs, 1.0)
+    few = decode_seqs * query_heads <= threshold
+    split = (few & (context > SPLIT_KV_PARTITION_TOKENS)) | (context > SPLIT_KV_MAX_SINGLE_PASS_CONTEXT)
+    return ((threshold > 0) & (decode_seqs > 0) & split).astype(jnp.float32)
 
 
 def smooth_max(a: jnp.ndarray, b: jnp.ndarray, sharpness: jnp.ndarray) -> jnp.ndarray:
@@ -444,8 +475,11 @@ def step_costs(params: RooflineParams, batch: StepBatch) -> StepCosts:
                     + local_layers * params.attention_flops_per_pair * local_decode_context)
     decode_kv = (full_layers * params.kv_bytes_per_token * batch.decode_context_tokens
                  + local_layers * params.kv_bytes_per_token * local_decode_context)
+    split_kv = split_kv_decode(c, params.attention_query_heads, batch.num_decode_seqs, batch.decode_context_tokens)
+    decode_memory_efficiency = c.attention_memory_efficiency + split_kv * (
+        c.split_kv_memory_efficiency - c.attention_memory_efficiency)
     attention_decode_s = kernel_time_s(decode_flops, decode_kv, peak, bandwidth,
-                                       c.attention_compute_efficiency, c.attention_memory_efficiency, p)
+                                       c.attention_compute_efficiency, decode_memory_efficiency, p)
 
     elementwise_bytes = (layers * params.layer_elementwise_bytes_per_token + params.embedding_bytes_per_token) * tokens
     elementwise_s = elementwise_bytes / (bandwidth * c.elementwise_memory_efficiency)
@@ -456,9 +490,10 @@ def step_costs(params: RooflineParams, batch: StepBatch) -> StepCosts:
     communication_s = (allreduces * (c.allreduce_base_latency_s + params.allreduce_ring_steps * c.allreduce_latency_s)
                        + allreduce_bytes / (params.link_bytes_per_s * c.allreduce_efficiency))
 
-    kernels = layers * KERNELS_PER_LAYER + KERNELS_PER_STEP + params.extra_kernels_per_step
+    # the split-KV kernel's reduction: one more kernel a layer
+    kernels = layers * (KERNELS_PER_LAYER + split_kv) + KERNELS_PER_STEP + params.extra_kernels_per_step
     eager = (tokens > params.cudagraph_max_tokens).astype(jnp.float32)
-    eager_launch_s = eager * kernels_per_step(params) * c.eager_launch_overhead_s
+    eager_launch_s = eager * (kernels_per_step(params) + layers * split_kv) * c.eager_launch_overhead_s
     overhead_s = kernels * c.kernel_overhead_s + layers * c.attention_overhead_s + eager_launch_s
 
     gpu_s = matmul_s + attention_prefill_s + attention_decode_s + elementwise_s + communication_s + overhead_s
@@ -469,7 +504,8 @@ def step_costs(params: RooflineParams, batch: StepBatch) -> StepCosts:
     compute_bound_s = (matmul_paced_flops / (peak * c.matmul_compute_efficiency)
                        + (prefill_flops + decode_flops) / (peak * c.attention_compute_efficiency))
     memory_bound_s = ((weight_bytes + matmul_io) / (bandwidth * c.matmul_memory_efficiency)
-                      + (prefill_kv + decode_kv) / (bandwidth * c.attention_memory_efficiency) + elementwise_s)
+                      + prefill_kv / (bandwidth * c.attention_memory_efficiency)
+                      + decode_kv / (bandwidth * decode_memory_efficiency) + elementwise_s)
     return StepCosts(
         matmul_s=matmul_s, attention_prefill_s=attention_prefill_s, attention_decode_s=attention_decode_s,
         elementwise_s=elementwise_s, communication_s=communication_s, overhead_s=overhead_s,
