@@ -14,7 +14,9 @@ own decode metric divides by the output tokens, and is not used). Vidur emits a 
 prefill completes, as vLLM does, so TTFT is prefill completion - arrival there.
 
 --variants replays the same requests under the changes that could explain a gap (Vidur's KV block count,
-synchronous scheduling, no host time) and prints one line of errors each. --batches prices the batches Vidur
+synchronous scheduling, no host time, no eager launches beyond vLLM's CUDA-graph capture size) and prints one
+line of errors each; the last line is Vidur's step semantics (synchronous, no host time, every batch priced
+alike) under servetune's GPU model. --batches prices the batches Vidur
 priced (run_vidur.py's BATCHES.csv, too large to ship) with servetune's cost model, batch by batch.
 """
 from __future__ import annotations
@@ -34,6 +36,9 @@ PROFILE = REPO_ROOT / "cost_models" / "profiles" / "llama-2-7b_a100-80gb.json"
 METRICS = ("ttft", "tpot", "e2el")
 # The host terms of a profile; "no host time" sets them to the smallest value a profile accepts.
 HOST_FIELDS = ("per_step_overhead_s", "per_request_overhead_s", "host_multi_gpu_overhead_s")
+# The launch cost a step beyond vLLM's CUDA-graph capture size pays per kernel; "no eager launches" zeroes it so,
+# as in Vidur, every batch is priced alike whatever its size.
+EAGER_FIELDS = ("eager_launch_overhead_s",)
 
 
 def read_fixture(path: Path = FIXTURE, limit: int | None = None) -> dict:
@@ -75,7 +80,7 @@ def _config_text(trace: Path, profile: Path, num_kv_blocks: int | None, async_sc
 
 
 def replay(fixture: dict, *, num_kv_blocks: int | None = None, async_scheduling: bool = True,
-           host_time: bool = True) -> dict:
+           host_time: bool = True, eager_launches: bool = True) -> dict:
     """Replay the fixture's requests through servetune; per-request TTFT, TPOT, E2EL (s) in fixture order, and
     the run's engine figures."""
     from servetune.api import simulate
@@ -87,9 +92,10 @@ def replay(fixture: dict, *, num_kv_blocks: int | None = None, async_scheduling:
         for a, p, o in zip(fixture["arrival_s"], fixture["prompt_tokens"], fixture["output_tokens"]):
             f.write(f"{float(a)!r},{p},{o}\n")
     profile = PROFILE
-    if not host_time:
+    removed = (() if host_time else HOST_FIELDS) + (() if eager_launches else EAGER_FIELDS)
+    if removed:
         document = json.loads(PROFILE.read_text())
-        document["calibration"].update(dict.fromkeys(HOST_FIELDS, 1e-12))
+        document["calibration"].update(dict.fromkeys(removed, 1e-12))
         profile = folder / "profile.json"
         profile.write_text(json.dumps(document))
     config = folder / "config.yaml"
@@ -105,6 +111,76 @@ def replay(fixture: dict, *, num_kv_blocks: int | None = None, async_scheduling:
             "completed": int(np.sum(req["status"] == "completed")), "preemptions": run.metrics["preemptions"],
             "num_kv_blocks": run.config.scheduler.num_kv_blocks, "engine_steps": run.metrics["engine_steps"],
             "mean_batch_size": run.metrics["mean_batch_size"]}
+
+
+def sarathi_replay(fixture: dict, *, host_time: bool = False, eager_launches: bool = True) -> dict:
+    """The fixture's requests scheduled by Vidur's Sarathi rules, written here from its source (microsoft/vidur @
+    7d47513, vidur/scheduler/replica_scheduler/sarathi_replica_scheduler.py, ``_get_next_batch`` lines 86-186), one
+    batch at a time and synchronously (one stage: a batch starts when the last ends, base_replica_scheduler.py),
+    each batch priced by servetune's cost model as ``replay`` builds it (TP 2, chunk 512, 128 seats): decodes of
+    running requests first, then running prefills, then waiting requests in arrival order while the 512-token
+    budget and the 128 seats last, each chunk min(prompt left, budget left). A second implementation of the
+    schedule, so that ``replay``'s can be checked against it; KV capacity is not modelled (the fixture's run
+    evicts nothing). Per-request TTFT, TPOT, E2EL (s) in fixture order, and the batch count."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from servetune.cost_models import roofline
+    from servetune.cost_models.catalog import resolve_gpu, resolve_model
+    from servetune.cost_models.profile import load_profile
+    from servetune.types import StepBatch
+
+    calibration, _ = load_profile(PROFILE)
+    removed = (() if host_time else HOST_FIELDS) + (() if eager_launches else EAGER_FIELDS)
+    calibration = dataclasses.replace(calibration, **{name: jnp.float32(1e-12) for name in removed})
+    seats, budget = 128, 512
+    capture = roofline.vllm_cudagraph_capture_size(seats, budget)
+    params = roofline.build_roofline_params(resolve_model("codellama-34b"), resolve_gpu("a100-80gb"), 2, calibration,
+                                            cudagraph_capture_size=capture)
+    price = jax.jit(lambda batch: roofline.step_time_s(params, batch))
+    arrival, prompt, output = fixture["arrival_s"], fixture["prompt_tokens"], fixture["output_tokens"]
+    n = len(arrival)
+    prefilled, generated = np.zeros(n, np.int64), np.zeros(n, np.int64)
+    ttft, e2el = np.full(n, np.nan), np.full(n, np.nan)
+    waiting, running = [], []
+    clock, arrived, batches = 0.0, 0, 0
+    while arrived < n or waiting or running:
+        while arrived < n and arrival[arrived] <= clock:
+            waiting.append(arrived)
+            arrived += 1
+        if not waiting and not running:
+            clock = float(arrival[arrived])
+            continue
+        decodes = [r for r in running if prefilled[r] == prompt[r]]
+        chunks, used = [], len(decodes)
+        for r in running:
+            if prefilled[r] < prompt[r] and used < budget:
+                chunks.append((r, int(min(prompt[r] - prefilled[r], budget - used))))
+                used += chunks[-1][1]
+        while waiting and len(running) < seats and used < budget:
+            r = waiting.pop(0)
+            running.append(r)
+            chunks.append((r, int(min(prompt[r], budget - used))))
+            used += chunks[-1][1]
+        q = np.array([c for _, c in chunks], dtype=np.float64)
+        cached = np.array([prefilled[r] for r, _ in chunks], dtype=np.float64)
+        attended = sum(float(prompt[r] + generated[r]) for r in decodes)   # its cached tokens and the new one
+        shape = (len(chunks), q.sum(), (cached + q).sum(), (q * (cached + q / 2)).sum(), (q * q / 2).sum(),
+                 len(decodes), attended)
+        clock += float(price(StepBatch(*(jnp.float32(x) for x in shape))))
+        batches += 1
+        for r in decodes:
+            generated[r] += 1
+        for r, c in chunks:
+            prefilled[r] += c
+            if prefilled[r] == prompt[r]:
+                generated[r], ttft[r] = 1, clock - arrival[r]   # the prefill's last chunk emits the first token
+        for r in [r for r in running if prefilled[r] == prompt[r] and generated[r] >= output[r]]:
+            e2el[r] = clock - arrival[r]
+            running.remove(r)
+    return {"ttft": ttft, "e2el": e2el, "tpot": tpot(ttft, e2el, output), "engine_steps": batches}
 
 
 def vidur_metrics(fixture: dict) -> dict:
@@ -215,14 +291,19 @@ def main() -> None:
                     ("Vidur's KV block count", {"num_kv_blocks": vidur_blocks}),
                     ("synchronous scheduling", {"async_scheduling": False}),
                     ("synchronous, no host time", {"async_scheduling": False, "host_time": False}),
-                    ("synchronous, no host time, Vidur's KV", {"async_scheduling": False, "host_time": False,
-                                                                "num_kv_blocks": vidur_blocks})]
+                    ("no eager launches", {"eager_launches": False}),
+                    ("synchronous, no host time, no eager launches (Vidur's step)",
+                     {"async_scheduling": False, "host_time": False, "eager_launches": False})]
         print()
         print("| replay | " + " | ".join(f"{m.upper()} {k}" for m in METRICS for k in ("p50", "p99"))
               + " | KV blocks | preemptions |")
         print("|---|" + "---:|" * (2 * len(METRICS) + 2))
         for name, kwargs in variants:
             print(_error_line(name, vidur, ours if not kwargs else replay(fixture, **kwargs)))
+        # the same schedule written a second time, from Vidur's source: equal to the synchronous, no-host line
+        sarathi = sarathi_replay(fixture)
+        print(_error_line(f"Vidur's Sarathi rules in Python ({sarathi['engine_steps']:,} batches), synchronous, "
+                          f"no host time", vidur, {**sarathi, "num_kv_blocks": vidur_blocks, "preemptions": 0}))
     if args.batches is not None:
         print()
         print(price_batches(args.batches))
