@@ -215,7 +215,8 @@ def table(vidur: dict, ours: dict) -> str:
 def _error_line(name: str, vidur: dict, ours: dict) -> str:
     err = errors(vidur, ours)
     cells = " | ".join(f"{err[m][k]:+.1%}" for m in METRICS for k in ("p50", "p99"))
-    return (f"| {name} | {cells} | {ours['num_kv_blocks']:,} | {ours['preemptions']:,} |")
+    blocks = "-" if ours["num_kv_blocks"] is None else f"{ours['num_kv_blocks']:,}"
+    return f"| {name} | {cells} | {blocks} | {ours['preemptions']:,} |"
 
 
 def price_batches(path: Path) -> str:
@@ -303,7 +304,7 @@ def main() -> None:
         # the same schedule written a second time, from Vidur's source: equal to the synchronous, no-host line
         sarathi = sarathi_replay(fixture)
         print(_error_line(f"Vidur's Sarathi rules in Python ({sarathi['engine_steps']:,} batches), synchronous, "
-                          f"no host time", vidur, {**sarathi, "num_kv_blocks": vidur_blocks, "preemptions": 0}))
+                          f"no host time", vidur, {**sarathi, "num_kv_blocks": None, "preemptions": 0}))
     if args.batches is not None:
         print()
         print(price_batches(args.batches))
