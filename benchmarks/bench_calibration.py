@@ -12,7 +12,9 @@ Prints markdown tables (step-time MAPE, worst error):
    two by step shape (2-fold), the profile of that GPU refitted on one half and judged on the other (the
    ``calibrate_steps`` code path), next to the uncalibrated roofline and the shipped profile.
 3. ``calibrate --steps`` on half of DistServe's whole-step fits (OPT-13B and OPT-66B on A100 at TP 1-8, under
-   the 2023 vLLM and under DistServe's engine), judged on the other half.
+   the 2023 vLLM and under DistServe's engine), judged on the other half. The 2023 vLLM (v0.2.3) chose between
+   paged attention V1 and V2 per step, so its fits search the split-KV threshold (docs/cost-models.md,
+   "Split-KV decode attention"); the table gives it in decode requests (the threshold over the query heads).
 Needs the Vidur data under ``--shared`` (default: ``servetune.paths.shared_data_dir()``).
 """
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from servetune.cost_models import calibrate as cal
-from servetune.cost_models.calibrate_steps import calibrate_dataset
+from servetune.cost_models.calibrate_steps import FROM_ROWS, calibrate_dataset
 from servetune.cost_models.catalog import resolve_gpu, resolve_model
 from servetune.cost_models.profile import load_profile, shipped_profile_for
 from servetune.cost_models.roofline import Calibration
@@ -105,7 +107,8 @@ def distserve_on_half(shared: Path, profiles: dict[str, Calibration]) -> list[st
     """``calibrate --steps`` on half of DistServe's whole-step fits (A100, OPT-13B/66B), one fit per TP degree as
     a user's steps CSV holds one (``--tp``); the held-out predictions of every degree judged together."""
     lines = ["| steps of | engine | TP | rows | uncalibrated | shipped profile | after --steps on half (held out) | "
-             "decode / prefill held out | token tile by TP |", "|---|---|---|---:|---:|---:|---:|---|---|"]
+             "decode / prefill held out | token tile by TP | split-KV up to (decodes) by TP |",
+             "|---|---|---|---:|---:|---:|---:|---|---|---|"]
     gpu = resolve_gpu(GPUS["a100"])
     for engine in ("vllm", "distserve"):
         path = shared / "profiles" / "distserve" / f"profiler-a100-80g.{engine}.json"
@@ -113,13 +116,17 @@ def distserve_on_half(shared: Path, profiles: dict[str, Calibration]) -> list[st
             tp = 1 + np.asarray(steps.features["params"].allreduce_ring_steps) / 2
             prefill = np.asarray(steps.features["batch"].prefill_tokens) > 0
             kinds = np.where(prefill, "prefill-only", "decode-only")
-            held_out, tiles = np.full(len(tp), np.nan), []
+            held_out, tiles, split_kv = np.full(len(tp), np.nan), [], []
+            query_heads = np.asarray(steps.features["params"].attention_query_heads)
+            heads = {degree: float(query_heads[tp == degree][0]) for degree in np.unique(tp)}
             for degree in np.unique(tp):
                 rows = tp == degree
                 result = calibrate_dataset(steps.subset(rows), kinds[rows], gpu, profiles["a100"], folds=2,
-                                           label=f"{steps.name} TP {degree:.0f}")
+                                           label=f"{steps.name} TP {degree:.0f}",
+                                           split_kv_thresholds=FROM_ROWS if engine == "vllm" else ())
                 held_out[rows] = result.held_out_s
                 tiles.append(str(result.report["matmul_token_tile"]))
+                split_kv.append(f"{result.report['split_kv_max_work'] / heads[degree]:.0f}")
             predictions = {"held_out": held_out,
                            "uncalibrated": np.asarray(cal.predict(steps, Calibration().as_float32(), gpu)),
                            "initial": np.asarray(cal.predict(steps, profiles["a100"].as_float32(), gpu))}
@@ -130,7 +137,8 @@ def distserve_on_half(shared: Path, profiles: dict[str, Calibration]) -> list[st
             lines.append(f"| {steps.name[5:]} | {engine} | {degrees} | {len(kinds)} | "
                          f"{_cell(by_kind['all']['uncalibrated'])} | {_cell(by_kind['all']['initial'])} | "
                          f"**{_cell(by_kind['all']['held_out'])}** | {by_kind['decode-only']['held_out']['mape_pct']:.2f}%"
-                         f" / {by_kind['prefill-only']['held_out']['mape_pct']:.2f}% | {', '.join(tiles)} |")
+                         f" / {by_kind['prefill-only']['held_out']['mape_pct']:.2f}% | {', '.join(tiles)} | "
+                         f"{', '.join(split_kv) if engine == 'vllm' else 'not searched'} |")
     return lines
 
 
