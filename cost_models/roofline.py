@@ -346,7 +346,8 @@ def experts_touched(miss_probability, tokens):
     return 1.0 - miss_probability ** tokens
 
 
-# vLLM 0.2.x's paged attention V2 (vllm/model_executor/layers/attention.py, v0.2.3): ``_PARTITION_SIZE = 512``
+# vLLM 0.2.x's paged attention V2 (vllm/model_executor/layers/attention.py of late 2023, lines 17 and 158-159;
+# docs/cost-models.md, "Split-KV decode attention"): ``_PARTITION_SIZE = 512``
 # tokens per split, and V1 is used only up to a context of 8,192 (shared memory); the split-KV rule's constants.
 SPLIT_KV_PARTITION_TOKENS = 512.0
 SPLIT_KV_MAX_SINGLE_PASS_CONTEXT = 8192.0
