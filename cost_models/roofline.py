@@ -477,10 +477,14 @@ def step_costs(params: RooflineParams, batch: StepBatch) -> StepCosts:
     decode_kv = (full_layers * params.kv_bytes_per_token * batch.decode_context_tokens
                  + local_layers * params.kv_bytes_per_token * local_decode_context)
     split_kv = split_kv_decode(c, params.attention_query_heads, batch.num_decode_seqs, batch.decode_context_tokens)
-    decode_memory_efficiency = c.attention_memory_efficiency + split_kv * (
-        c.split_kv_memory_efficiency - c.attention_memory_efficiency)
-    attention_decode_s = kernel_time_s(decode_flops, decode_kv, peak, bandwidth,
-                                       c.attention_compute_efficiency, decode_memory_efficiency, p)
+    # both kernels priced and one chosen, so that a step the rule leaves alone costs exactly what it did before
+    attention_decode_s = jnp.where(
+        split_kv > 0,
+        kernel_time_s(decode_flops, decode_kv, peak, bandwidth, c.attention_compute_efficiency,
+                      c.split_kv_memory_efficiency, p),
+        kernel_time_s(decode_flops, decode_kv, peak, bandwidth, c.attention_compute_efficiency,
+                      c.attention_memory_efficiency, p))
+    decode_memory_efficiency = jnp.where(split_kv > 0, c.split_kv_memory_efficiency, c.attention_memory_efficiency)
 
     elementwise_bytes = (layers * params.layer_elementwise_bytes_per_token + params.embedding_bytes_per_token) * tokens
     elementwise_s = elementwise_bytes / (bandwidth * c.elementwise_memory_efficiency)
