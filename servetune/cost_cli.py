@@ -97,6 +97,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     fit.add_argument("--token-tile", type=int, metavar="TOKENS",
                      help="with --steps: fix the matmul token tile, the rows of a GEMM tile (default: the "
                           "best fit of 1, 16, 32, 64, 128 and 256)")
+    fit.add_argument("--split-kv", action="store_true",
+                     help="with --steps: the engine switches decode attention to a split-KV kernel below a "
+                          "batch size (vLLM before 0.3's paged attention V2, docs/cost-models.md): fit the "
+                          "switch's threshold and the kernel's efficiency too")
     fit.add_argument("--gpu-time-only", action="store_true",
                      help="with --steps: the times are GPU kernel time (a profiler's sum), without host time")
     fit.add_argument("--async-scheduling", action="store_true",
@@ -449,7 +453,9 @@ def _optional(path):
 def _run_calibrate_steps(args: argparse.Namespace) -> int:
     """``calibrate --steps``: fit the parameters measured steps identify; refuse to write a fit that did not
     converge or predicts held-out steps worse than the uncalibrated roofline, unless ``--force``."""
-    from servetune.cost_models.calibrate_steps import PREFERENCE, TOKEN_TILES, calibrate_steps, read_steps_csv
+    from servetune.cost_models.calibrate_steps import (
+        FROM_ROWS, PREFERENCE, TOKEN_TILES, calibrate_steps, read_steps_csv,
+    )
     from servetune.cost_models.roofline import MAX_TOKEN_TILE
     from servetune.cost_models.models import heads_per_gpu
     from servetune.cost_models.profile import write_profile
@@ -482,7 +488,8 @@ def _run_calibrate_steps(args: argparse.Namespace) -> int:
     console.print(f"{len(rows)} steps of {model.name} on {gpu.name} × {args.tp}; starting from {initial_source}")
     result = calibrate_steps(rows, model, gpu, args.tp, initial, names, folds=args.folds, seed=args.seed,
                              gpu_time_only=args.gpu_time_only, progress=console.print,
-                             async_scheduling=args.async_scheduling, token_tiles=token_tiles)
+                             async_scheduling=args.async_scheduling, token_tiles=token_tiles,
+                             split_kv_thresholds=FROM_ROWS if args.split_kv else None)
     kinds = result.report["batch_kinds"]
     held_out, uncalibrated = kinds["all"]["held_out"]["mape_pct"], kinds["all"]["uncalibrated"]["mape_pct"]
     problems = []
@@ -529,6 +536,11 @@ def _print_steps_report(args: argparse.Namespace, result, initial_source: str, w
     if len(by_tile) > 1:
         console.print(f"matmul token tile {report['matmul_token_tile']} (fit MAPE % by tile: "
                       + ", ".join(f"{tile} {mape:.2f}" for tile, mape in by_tile.items()) + ")")
+    by_threshold = report.get("split_kv_fit_mape_pct", {})
+    if report.get("split_kv_max_work", 0.0) > 0 or len(by_threshold) > 1:
+        console.print(f"split-KV decode below {report['split_kv_max_work']:g} decode requests x query heads per GPU "
+                      "(fit MAPE % by threshold, 0 = off: "
+                      + ", ".join(f"{threshold} {mape:.2f}" for threshold, mape in by_threshold.items()) + ")")
     reasons: dict[str, list[str]] = {}
     for name, why in result.left_out.items():
         reasons.setdefault(why, []).append(name)

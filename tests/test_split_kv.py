@@ -140,3 +140,27 @@ def test_a_profile_with_a_fractional_threshold_is_refused(tmp_path):
     with pytest.raises(UserError, match=r"p.json: calibration.split_kv_max_work: got 95.5, expected a whole number "
                                         r"of decode requests × query heads, 0 \(no split-KV regime\) or more"):
         load_profile(path)
+
+
+def test_the_command_fits_the_regime_when_asked_and_says_where_it_switches(tmp_path, capsys):
+    """`calibrate --steps ... --split-kv` on steps with the hidden regime: the profile it writes switches between
+    the grid's batch sizes either side of the truth's 96 decodes, and the report prints that threshold."""
+    from test_calibrate_steps import run_cli
+
+    rows = grid_steps()
+    hidden = Calibration(split_kv_max_work=3840.0, split_kv_memory_efficiency=0.42, attention_memory_efficiency=0.77,
+                         per_step_overhead_s=2e-3)
+    times_ms = np.asarray(cal.predict(cs.steps_dataset(rows, OPT_13B, A100, 1), hidden, A100)) * 1e3
+    steps = tmp_path / "steps.csv"
+    lines = ["prefill_tokens,decode_requests,context_tokens,step_time_ms"]
+    lines += [f"{p:g},{d:g},{c:g},{t!r}" for p, d, c, t in zip(rows.prefill_tokens, rows.decode_requests,
+                                                                rows.context_tokens, times_ms.tolist())]
+    steps.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "profile.json"
+    assert run_cli("--steps", str(steps), "--model", "opt-13b", "--gpu", "a100-80gb", "--split-kv",
+                   "--token-tile", "1", "--folds", "2", "--out", str(out)) == 0
+    printed = capsys.readouterr()
+    printed = " ".join((printed.out + printed.err).split())   # rich wraps lines at the terminal's width
+    threshold = float(load_profile(out)[0].split_kv_max_work)
+    assert 64 * 40 <= threshold < 128 * 40, threshold
+    assert f"split-KV decode below {threshold:g} decode requests x query heads per GPU" in printed
