@@ -16,6 +16,10 @@ import tempfile
 _OWNS_XLA_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
 if _OWNS_XLA_CACHE:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="servetune-tests-xla-")
+# The commands and search workers the tests run point JAX at servetune's own cache (use_persistent_compilation_cache):
+# the same folder, so that they share the run's programs and leave ~/.cache/servetune/jax, whose programs from
+# earlier runs would make a run's time depend on the machine's history, untouched.
+os.environ.setdefault("SERVETUNE_JAX_CACHE", os.environ["JAX_COMPILATION_CACHE_DIR"])
 
 import jax  # noqa: E402  (after the cache folder is set)
 import numpy as np
