@@ -56,6 +56,16 @@ def pytest_sessionfinish(session):
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
+def shipped_profile_with(path, **calibration):
+    """The shipped A100 cost profile with ``calibration`` fields changed, written to ``path`` (returned)."""
+    from servetune.cost_models.profile import shipped_profile_for
+
+    profile = json.loads(shipped_profile_for("a100-80gb").read_text())
+    profile["calibration"].update(calibration)
+    path.write_text(json.dumps(profile))
+    return path
+
+
 def scheduler_config(**overrides) -> SchedulerConfig:
     """The default ``SchedulerConfig`` with a cache of 8,192 blocks (unset, the pipeline derives it from the model
     and GPU; these tests simulate the knobs alone) and ``overrides`` applied."""

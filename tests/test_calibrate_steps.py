@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import shipped_profile_with
 from servetune.config import Config, CostModelConfig, HardwareConfig
 from servetune.cost_models import calibrate as cal
 from servetune.cost_models import calibrate_steps as cs
@@ -246,15 +247,11 @@ def test_a_hidden_causal_pair_ratio_is_recovered_from_prefills_on_cached_prefixe
 
 
 def test_a_token_tile_that_is_not_a_whole_number_of_tokens_is_refused(tmp_path):
-    profile = json.loads(shipped_profile_for("a100-80gb").read_text())
-    profile["calibration"]["matmul_token_tile"] = 0.5
-    path = tmp_path / "p.json"
-    path.write_text(json.dumps(profile))
+    path = shipped_profile_with(tmp_path / "p.json", matmul_token_tile=0.5)
     with pytest.raises(UserError, match=r"p.json: calibration.matmul_token_tile: got 0.5, expected a whole number "
                                         r"of tokens from 1 to 4096"):
         load_profile(path)
-    profile["calibration"].update(matmul_token_tile=1.0, attention_causal_pair_ratio=0.0)
-    path.write_text(json.dumps(profile))
+    shipped_profile_with(path, matmul_token_tile=1.0, attention_causal_pair_ratio=0.0)
     with pytest.raises(UserError, match=r"p.json: calibration.attention_causal_pair_ratio: got 0.0, expected a "
                                         r"ratio in \(0, 100\]"):
         load_profile(path)

@@ -3,13 +3,13 @@ hand computation, that it is off unless a profile turns it on, and ``calibrate -
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import shipped_profile_with
 from servetune.cost_models import calibrate as cal
 from servetune.cost_models import calibrate_steps as cs
 from servetune.cost_models.catalog import resolve_gpu, resolve_model
@@ -133,10 +133,7 @@ def test_candidates_are_one_per_way_of_splitting_the_rows():
 
 
 def test_a_profile_with_a_fractional_threshold_is_refused(tmp_path):
-    profile = json.loads(shipped_profile_for("a100-80gb").read_text())
-    profile["calibration"]["split_kv_max_work"] = 95.5
-    path = tmp_path / "p.json"
-    path.write_text(json.dumps(profile))
+    path = shipped_profile_with(tmp_path / "p.json", split_kv_max_work=95.5)
     with pytest.raises(UserError, match=r"p.json: calibration.split_kv_max_work: got 95.5, expected a whole number "
                                         r"of decode requests × query heads, 0 \(no split-KV regime\) or more"):
         load_profile(path)
