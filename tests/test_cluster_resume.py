@@ -14,6 +14,7 @@ from servetune.envs.sim import engine
 from servetune.envs.sim.outcome import COMPLETED
 from servetune.envs.sim.simulator import device_trace, engine_params, padded_trace, request_rows
 from servetune.envs.workload.requests import Workload
+from servetune.pytree import replace
 
 REPLICAS = 3
 
@@ -50,7 +51,7 @@ def test_a_run_continued_interval_by_interval_is_the_run_in_one_go(router, delay
         arrived = np.asarray(w.arrival_s) < end
         assert int(cs.next_request[0]) == int(arrived.sum())
     cs = lockstep.run_cluster_from(trace, draws, lanes(None), router_params, cs, *args)
-    pieces = lockstep.replace(cs, replicas=jax.vmap(engine.flush_running)(cs.replicas))
+    pieces = replace(cs, replicas=jax.vmap(engine.flush_running)(cs.replicas))
     assert w.arrival_s[-1] > ends[-1]   # the last interval leaves work for the run to the end
     np.testing.assert_array_equal(np.asarray(pieces.replica_of), np.asarray(whole.replica_of))
     # Discrete outcomes are equal; times within float32 rounding, since an interval's end splits a run of steps
