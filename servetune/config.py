@@ -378,8 +378,9 @@ class SloConfig:
     attainment_target: Fraction = 0.9
 
 
-# The routers a cluster's requests pass through (envs/sim/cluster.py), and the replica load signals the weighted
-# router scores (its score is the weighted sum; the lowest-scored replica takes the request).
+# The routers a cluster's requests pass through (envs/sim/cluster.py), and the replica signals the weighted router
+# scores: its score is w_queue queue + w_running running + w_kv kv_utilization - w_prefix_hit prefix_hit (the hit
+# subtracted, so that every positive weight says "prefer less load, more cached prompt"); the lowest score wins.
 ROUTERS = ("round_robin", "random", "least_outstanding", "least_kv", "power_of_two", "prefix_affinity", "weighted")
 ROUTER_FEATURES = ("queue", "running", "kv_utilization", "prefix_hit")
 # The routers that decide from the workload and their own draws alone, before the run.
@@ -418,7 +419,8 @@ class ClusterConfig:
         "a number of replicas, 1 to 4096, or a list of replica groups "
         "[{count, name, hardware, cost_model, scheduler}, ...]"))] = 1
     router: Literal[ROUTERS] = "round_robin"
-    # weighted: {feature: weight} over ROUTER_FEATURES; a replica's score is the weighted sum of its signals
+    # weighted: {feature: weight} over ROUTER_FEATURES; a replica's score is the weighted sum of its load signals
+    # less the weighted prefix_hit, the lowest score taking the request
     router_weights: Any = None
     # the router sees each replica's load as of its last report, every signal_delay_s seconds (0: as it is)
     signal_delay_s: SecondsOrZero = 0.0

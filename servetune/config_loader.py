@@ -947,13 +947,6 @@ def _check_cluster(config: Config, report: _Reporter, base_dir: Path) -> Cluster
     if config.workload.sessions is not None:
         raise report.bad_value("workload.sessions", "a mapping", "null with a cluster: closed-loop sessions behind "
                                "a router are not simulated yet")
-    for key, scheduler in _cluster_schedulers(config, cluster):
-        if scheduler.enable_prefix_caching and cluster.router not in STATE_FREE_ROUTERS:
-            # Each replica's cache hits depend on the requests it gets, which a load-reading router decides as the
-            # run goes; the simulator computes hits before the run (envs/sim/prefix_cache.py).
-            raise report.bad_value(f"{key}.enable_prefix_caching", True,
-                                   f"false behind the {cluster.router} router: a prefix cache per replica is "
-                                   f"simulated only behind {', '.join(STATE_FREE_ROUTERS)}")
     if cluster.has_groups and cluster.router not in STATE_FREE_ROUTERS:
         _check_groups_step_together(cluster, report)
     weights = cluster.router_weights
@@ -966,10 +959,15 @@ def _check_cluster(config: Config, report: _Reporter, base_dir: Path) -> Cluster
                 "weight non-zero (the lowest-scored replica takes the request)")
     pairs = _checked_weights(weights, ROUTER_WEIGHTS_KEY, ROUTER_FEATURES, expected, report)
     prefix_hit = dict(pairs).get("prefix_hit")
-    if prefix_hit:
+    if prefix_hit and not _caches_prefixes(config, cluster):
+        # The signal is 0 on every replica: the weight would be read by nothing.
         raise report.bad_value(f"{ROUTER_WEIGHTS_KEY}.prefix_hit", prefix_hit,
-                               "0: prefix-cache hits per replica are not simulated yet")
+                               "0 when no replica caches prefixes (scheduler.enable_prefix_caching is false)")
     return dataclasses.replace(cluster, router_weights=pairs)
+
+
+def _caches_prefixes(config: Config, cluster: ClusterConfig) -> bool:
+    return any(scheduler.enable_prefix_caching for _, scheduler in _cluster_schedulers(config, cluster))
 
 
 GROUP_KEYS_TEXT = "[{count, name, hardware, cost_model, scheduler}, ...]"
@@ -1345,13 +1343,13 @@ def _check_queue_order(scheduler: SchedulerConfig, report: _Reporter) -> Schedul
 
 # The cluster's searchable knobs and their rules: replicas as the cluster section takes them (the field itself is
 # left loose so that a list of replica groups reaches its own message); one weight of the weighted router per
-# simulated signal (prefix-cache hits per replica are not simulated). The router's draws (seed) are no knob.
+# signal. The router's draws (seed) are no knob.
 CLUSTER_KNOBS: dict[str, Any] = {
     "replicas": Annotated[Int, Field(ge=1, le=MAX_REPLICAS)],
     "router": _fields(ClusterConfig)["router"],
     "signal_delay_s": _fields(ClusterConfig)["signal_delay_s"],
 }
-ROUTER_WEIGHT_SIGNALS = tuple(signal for signal in ROUTER_FEATURES if signal != "prefix_hit")
+ROUTER_WEIGHT_SIGNALS = ROUTER_FEATURES
 
 
 def _searchable_field(key: str, report: _Reporter) -> Any:
@@ -1459,7 +1457,8 @@ def _check_knobs(data: Any, config: Config, report: _Reporter) -> tuple:
 def _check_cluster_knob(key: str, knob: KnobConfig, knobs: dict[str, KnobConfig], config: Config,
                         report: _Reporter) -> None:
     """A cluster knob needs a cluster to vary; a router weight needs the weighted router (set, or among a router
-    knob's choices); a weighted router among a knob's choices needs weights (set, or searched)."""
+    knob's choices), and the prefix_hit weight a replica that caches prefixes (or a knob that may turn caching
+    on); a weighted router among a knob's choices needs weights (set, or searched)."""
     where = f"search.knobs.{key}"
     if config.cluster is None:
         raise report.error(where, "searches the cluster, but the config has no cluster section (add one, such as "
@@ -1468,6 +1467,11 @@ def _check_cluster_knob(key: str, knob: KnobConfig, knobs: dict[str, KnobConfig]
     if key.startswith(ROUTER_WEIGHTS_KEY + ".") and "weighted" not in routers:
         raise report.error(where, f"searches a weight of the weighted router, but cluster.router is "
                                   f"{' or '.join(routers)}")
+    caching_knob = knobs.get("scheduler.enable_prefix_caching")
+    if key == f"{ROUTER_WEIGHTS_KEY}.prefix_hit" and not _caches_prefixes(config, config.cluster) \
+            and not (caching_knob is not None and True in (caching_knob.choices or ())):
+        raise report.error(where, "searches the prefix_hit weight, but no replica caches prefixes "
+                                  "(scheduler.enable_prefix_caching is false)")
     searched_weights = any(other.startswith(ROUTER_WEIGHTS_KEY + ".") for other in knobs)
     if key == "cluster.router" and "weighted" in routers and config.cluster.router_weights is None \
             and not searched_weights:

@@ -17,12 +17,17 @@ router") states the rules, and ``envs/sim/cluster_reference.py`` states them as 
 
 Signals per replica, as the router reads them: ``queue``, requests waiting (those routed to it and not
 yet taken in included); ``running``, requests seated; ``kv_utilization``, the share of its usable KV blocks
-held; outstanding = queue + running, the requests it was sent that have not finished or been refused.
+held; outstanding = queue + running, the requests it was sent that have not finished or been refused; and
+``prefix_hit``, the share of the arriving request's prompt its prefix cache holds (`PrefixCaches`).
+
+With prefix caching each lane keeps its own cache of prefix units (envs/sim/prefix_cache.py's model, exactly):
+when the router sends a request to a lane, the lane's cache is looked up (the request's cached tokens on that
+lane) and then takes the request's units, evicting least recently used ones past its capacity.
 """
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -32,12 +37,16 @@ from servetune.config import ROUTERS, STATE_FREE_ROUTERS
 from servetune.envs.sim import engine
 from servetune.envs.sim.double_float import df_le
 from servetune.envs.sim.outcome import NOT_ROUTED
+from servetune.envs.sim.prefix_cache import capacity_units
 from servetune.envs.sim.queue_order import NO_DEADLINE_S
-from servetune.pytree import pytree_dataclass, replace
+from servetune.pytree import pytree_dataclass, replace, static_field
 
 f32, i32 = jnp.float32, jnp.int32
 
-SIGNALS = ("queue", "running", "kv_utilization")   # what the weighted router scores (ROUTER_FEATURES' first three)
+SIGNALS = ("queue", "running", "kv_utilization", "prefix_hit")   # what the weighted router scores (ROUTER_FEATURES)
+# What a replica reports about its load, read as of the last report with signal_delay_s. prefix_hit is not among
+# them: it is the router's own reckoning from the requests it sent, exact at every arrival.
+LOAD_SIGNALS = SIGNALS[:3]
 ROUTER_CODE = {name: code for code, name in enumerate(ROUTERS)}
 
 
@@ -110,6 +119,139 @@ def router_params(router: str, weights, signal_delay_s: float) -> RouterParams:
 
 
 @pytree_dataclass
+class PrefixCaches:
+    """Every lane's prefix cache, exactly envs/sim/prefix_cache.py's LRU model (the reference cluster replays that
+    model on each replica's share; the differential test compares the two).
+
+    The workload's unit ids are renumbered 0..D-1 on the host. A lane's cache is a log of the units it was sent,
+    in order (each request's units in prompt order), and per unit the position in the log of its latest entry,
+    plus one (its stamp; 0: not cached). Least recently used is the oldest entry that is still a unit's latest:
+    eviction walks the log from its head, dropping the unit of each such entry and skipping the others (that unit
+    was touched again later) -- amortised O(1) per unit. A lane is sent at most the workload's U units, so its log
+    never wraps. Memory: 4 bytes x lanes x (D + U + rows), besides the workload's units (4 (U + 3 rows) bytes)."""
+
+    unit_ids: jnp.ndarray        # int32[U + max_units]: request i's units at unit_start[i] ..., then padding
+    unit_start: jnp.ndarray      # int32[rows]
+    unit_count: jnp.ndarray      # int32[rows]: 0 for the padding rows
+    prompt: jnp.ndarray          # int32[rows]: prompt tokens (the last one is always computed)
+    unit_tokens: jnp.ndarray     # int32: prompt tokens per unit
+    capacity: jnp.ndarray        # int32[lanes]: units the lane's KV cache holds (prefix_cache.capacity_units)
+    enabled: jnp.ndarray         # bool[lanes]: the lane caches prefixes
+    stamp: jnp.ndarray           # int32[lanes, D]: 1 + the log position of the unit's latest entry; 0: not cached
+    log: jnp.ndarray             # int32[lanes, U]: the units the lane was sent, in order
+    head: jnp.ndarray            # int32[lanes]: the oldest log entry eviction has not passed
+    size: jnp.ndarray            # int32[lanes]: entries in the log
+    count: jnp.ndarray           # int32[lanes]: units cached
+    cached_tokens: jnp.ndarray   # int32[lanes, rows]: per row of the lane's table, its prompt tokens found cached
+    hit_units: jnp.ndarray       # int32[lanes]: units found, summed over the requests sent to the lane
+    looked_up_units: jnp.ndarray  # int32[lanes]: units looked up (every unit of every request sent to it)
+    max_units: int = static_field()   # the most units one request has
+
+
+def prefix_caches(workload, rows: int, lanes_kv: Sequence[Optional[tuple[int, int]]]) -> Optional[PrefixCaches]:
+    """Empty caches for lanes whose KV cache is ``(num_kv_blocks, block_size)``, or None for a lane that does not
+    cache prefixes; the workload's units padded to ``rows`` requests. None when no lane caches or the workload's
+    prompts have no block hashes (then nothing can hit: every request's cached tokens are 0)."""
+    if workload.hash_ids is None or all(kv is None for kv in lanes_kv):
+        return None
+    offsets = np.asarray(workload.hash_offsets, np.int64)
+    counts = np.diff(offsets)
+    distinct, dense = np.unique(workload.hash_ids, return_inverse=True)
+    total, max_units = len(dense), max(int(counts.max(initial=0)), 1)
+    lanes = len(lanes_kv)
+
+    def padded(values, fill):
+        out = np.full(rows, fill, np.int64)
+        out[:workload.num_requests] = values
+        return jnp.asarray(out, i32)
+
+    capacity = [0 if kv is None else capacity_units(workload, *kv) for kv in lanes_kv]
+    return PrefixCaches(
+        unit_ids=jnp.asarray(np.concatenate([dense, np.zeros(max_units, np.int64)]), i32),
+        unit_start=padded(offsets[:-1], total), unit_count=padded(counts, 0),
+        prompt=padded(workload.prompt_tokens, 1), unit_tokens=jnp.asarray(workload.hash_block_tokens, i32),
+        capacity=jnp.asarray(capacity, i32), enabled=jnp.asarray([kv is not None for kv in lanes_kv]),
+        stamp=jnp.zeros((lanes, max(len(distinct), 1)), i32), log=jnp.zeros((lanes, max(total, 1)), i32),
+        head=jnp.zeros(lanes, i32), size=jnp.zeros(lanes, i32), count=jnp.zeros(lanes, i32),
+        cached_tokens=jnp.zeros((lanes, rows), i32), hit_units=jnp.zeros(lanes, i32),
+        looked_up_units=jnp.zeros(lanes, i32), max_units=max_units,
+    )
+
+
+def _request_units(caches: PrefixCaches, ids):
+    """Per config's request ``ids``: (its units int32[configs, max_units], which of them are its own)."""
+    window = jnp.arange(caches.max_units, dtype=i32)
+    units = caches.unit_ids[caches.unit_start[ids][:, None] + window[None, :]]
+    return units, window[None, :] < caches.unit_count[ids][:, None]
+
+
+def _lookup(caches: PrefixCaches, ids, num_replicas):
+    """Per config and replica, for the config's request ``ids``: (the units of the leading run of its units
+    that the replica's cache holds, the prompt tokens that spares it: capped so that the last is computed)."""
+    units, own = _request_units(caches, ids)
+    num_configs = ids.shape[0]
+    stamps = caches.stamp.reshape(num_configs, num_replicas, -1)
+    held = (jnp.take_along_axis(stamps, jnp.broadcast_to(units[:, None, :], (num_configs, num_replicas,
+                                                                              caches.max_units)), axis=2) > 0)
+    held = held & own[:, None, :]
+    leading = jnp.sum(jnp.cumprod(held.astype(i32), axis=2), axis=2)
+    leading = jnp.where(caches.enabled.reshape(num_configs, num_replicas), leading, 0)
+    cached = jnp.minimum(leading * caches.unit_tokens, caches.prompt[ids][:, None] - 1)
+    return leading, cached
+
+
+def _send(caches: PrefixCaches, ids, target, row, leading, cached, num_replicas) -> PrefixCaches:
+    """Each config's request ``ids`` sent to lane ``target`` (the number of lanes: not sent) at ``row`` of its
+    table: its cached tokens recorded there, its units touched in order, then the least recently used units
+    evicted past the lane's capacity."""
+    lanes = caches.capacity.shape[0]
+    num_configs = ids.shape[0]
+    sent = target < lanes
+    lane = jnp.minimum(target, lanes - 1)
+    replica = lane - jnp.arange(num_configs, dtype=i32) * num_replicas
+    leading = jnp.take_along_axis(leading, replica[:, None], axis=1)[:, 0]
+    cached = jnp.take_along_axis(cached, replica[:, None], axis=1)[:, 0]
+    caching = sent & caches.enabled[lane]
+    units, own = _request_units(caches, ids)
+    own = own & caching[:, None]
+    # A unit's stamp is 1 + its entry's log position; a unit a request names twice keeps its later entry's.
+    stamps = caches.size[lane][:, None] + 1 + jnp.arange(caches.max_units, dtype=i32)[None, :]
+    write_lane = jnp.where(own, lane[:, None], lanes)
+    was_cached = caches.stamp[lane[:, None], units] > 0
+    stamp = caches.stamp.at[write_lane, units].max(stamps, mode="drop")
+    latest = stamp[lane[:, None], units] == stamps
+    added = jnp.sum(own & latest & ~was_cached, axis=1, dtype=i32)
+    log = caches.log.at[write_lane, stamps - 1].set(units, mode="drop")
+    touched = jnp.where(caching, caches.unit_count[ids], 0)
+    caches = replace(caches, stamp=stamp, log=log,
+                     size=caches.size.at[lane].add(touched), count=caches.count.at[lane].add(added),
+                     cached_tokens=caches.cached_tokens.at[jnp.where(caching, lane, lanes), row].set(cached,
+                                                                                                   mode="drop"),
+                     hit_units=caches.hit_units.at[lane].add(jnp.where(caching, leading, 0)),
+                     looked_up_units=caches.looked_up_units.at[lane].add(touched))
+    return _evict(caches)
+
+
+def _evict(caches: PrefixCaches) -> PrefixCaches:
+    """Every lane's least recently used units dropped until it holds no more than its capacity."""
+    lanes = jnp.arange(caches.capacity.shape[0])
+    last = caches.log.shape[1] - 1
+
+    def over(c):
+        return c.enabled & (c.count > c.capacity)
+
+    def drop_oldest(c):
+        walking = over(c)
+        position = jnp.minimum(c.head, last)
+        unit = c.log[lanes, position]
+        dropped = walking & (c.stamp[lanes, unit] == c.head + 1)   # the entry is its unit's latest
+        return replace(c, stamp=c.stamp.at[jnp.where(dropped, lanes, lanes.shape[0]), unit].set(0, mode="drop"),
+                       count=c.count - dropped.astype(i32), head=c.head + walking.astype(i32))
+
+    return jax.lax.while_loop(lambda c: jnp.any(over(c)), drop_oldest, caches)
+
+
+@pytree_dataclass
 class ClusterState:
     replicas: engine.EngineState   # leading axis: lanes (configs × replicas)
     traces: engine.Trace           # per lane, the requests routed to it in arrival order; the rest never arrive
@@ -118,14 +260,15 @@ class ClusterState:
     row_of: jnp.ndarray            # int32[configs, n]: its row in that replica's table
     next_request: jnp.ndarray      # int32[configs]: the first request not yet routed
     routed_count: jnp.ndarray      # int32[configs]: requests routed so far (round_robin's counter)
-    seen: jnp.ndarray              # float32[configs, R, len(SIGNALS)]: the signals of the last report
+    seen: jnp.ndarray              # float32[configs, R, len(LOAD_SIGNALS)]: the signals of the last report
     reported_hi: jnp.ndarray       # float32[configs]: when the last report was taken (-inf: none yet)
     reported_lo: jnp.ndarray
     finished: jnp.ndarray          # bool[configs]: every arrival routed and the replicas run to the end
+    prefix: Optional[PrefixCaches] = None   # each lane's prefix cache; None: no lane caches prefixes
 
 
-def _signals(params: engine.EngineParams, state: engine.EngineState, routed) -> jnp.ndarray:
-    """float32[len(SIGNALS)] of one replica. A request the step that just ended completed (async: still
+def _load_signals(params: engine.EngineParams, state: engine.EngineState, routed) -> jnp.ndarray:
+    """float32[len(LOAD_SIGNALS)] of one replica. A request the step that just ended completed (async: still
     seated, `Slots.leaving`) counts as gone, its blocks free, as the replica reports after processing that
     step's output."""
     slots = state.slots
@@ -143,16 +286,24 @@ def _decided_view(trace, params, state, num_slots, queue):
     return engine.choose(state.pipelined_now, engine.decided(trace, params, state, num_slots, queue), state)
 
 
+def _rounded(products):
+    """Float32 products as stored. The select, never taken (signals and weights are finite), keeps XLA from
+    contracting a product with the sum it feeds into one fused multiply-add, which rounds once where the
+    documented float32 score (and the reference) rounds twice: on a near tie the two pick different replicas."""
+    return jnp.where(jnp.isnan(products), 0.0, products)
+
+
 def _choice(router: RouterParams, signals, draws, routed_count):
     """The replica one config's router picks from its replicas' signals [R, len(SIGNALS)]. Ties go to the
-    lowest index (power_of_two: to the first drawn)."""
+    lowest index (power_of_two: to the first drawn). The weighted router's score subtracts the prefix_hit term,
+    so that a positive weight prefers the replica that holds more of the prompt."""
     num_replicas = signals.shape[0]
     outstanding = signals[:, 0] + signals[:, 1]
     kv = signals[:, 2]
     least_kv = jnp.argmin(jnp.where(kv == jnp.min(kv), outstanding, jnp.inf))
     first, second = draws[0], draws[1]
-    w = router.weights
-    score = signals[:, 0] * w[0] + signals[:, 1] * w[1] + signals[:, 2] * w[2]
+    terms = _rounded(signals * router.weights[None, :])
+    score = terms[:, 0] + terms[:, 1] + terms[:, 2] - terms[:, 3]
     by_kind = jnp.stack([
         routed_count % num_replicas,                                            # round_robin
         first,                                                                  # random
@@ -205,6 +356,9 @@ def _cluster_iteration(requests, draws, params, router, cs: ClusterState, cost_f
     def per_lane(x):
         return jnp.repeat(x, num_replicas)
 
+    if cs.prefix is not None:
+        # Each lane's rows start their prefill after the tokens its cache held when they were routed there.
+        params = replace(params, cached_tokens=cs.prefix.cached_tokens)
     user_hi, user_lo = per_config(params.horizon_hi), per_config(params.horizon_lo)
     hi, lo, report, arrival = _next_event(requests, router, cs, user_hi, user_lo)
     # Run every replica of an unfinished config to the event (to the end once nothing is left to route).
@@ -228,13 +382,19 @@ def _cluster_iteration(requests, draws, params, router, cs: ClusterState, cost_f
         jnp.any(per_lane(reads_split) & replicas.pipelined_now),
         lambda r: jax.vmap(lambda t, p, s: _decided_view(t, p, s, num_slots, queue))(cs.traces, params, r),
         lambda r: r, replicas)
-    signals = jax.vmap(_signals)(params, view, cs.routed).reshape(num_configs, num_replicas, len(SIGNALS))
-    seen = jnp.where(report[:, None, None], signals, cs.seen)
-    reads = jnp.where((router.report_every_s > 0)[:, None, None], seen, signals)
+    load = jax.vmap(_load_signals)(params, view, cs.routed).reshape(num_configs, num_replicas, len(LOAD_SIGNALS))
+    seen = jnp.where(report[:, None, None], load, cs.seen)
+    reads = jnp.where((router.report_every_s > 0)[:, None, None], seen, load)
 
     # The arrival: refused by its tenant's rate limit at the router, or routed.
     n = requests.prompt.shape[0]
     ids = jnp.minimum(cs.next_request, n - 1)
+    if cs.prefix is None:
+        hit = jnp.zeros((num_configs, num_replicas), f32)
+    else:
+        leading, cached = _lookup(cs.prefix, ids, num_replicas)
+        hit = cached.astype(f32) / cs.prefix.prompt[ids][:, None].astype(f32)
+    reads = jnp.concatenate([reads, hit[:, :, None]], axis=2)
     refused = arrival & requests.rate_limited[ids]
     routes = arrival & ~refused
     replica = jax.vmap(_choice)(router, reads, draws[ids], cs.routed_count)
@@ -242,6 +402,8 @@ def _cluster_iteration(requests, draws, params, router, cs: ClusterState, cost_f
     row = cs.routed[jnp.minimum(lane, lanes - 1)]
     target = jnp.where(routes, lane, lanes)
     configs = jnp.arange(num_configs)
+    if cs.prefix is not None:
+        cs = replace(cs, prefix=_send(cs.prefix, ids, target, row, leading, cached, num_replicas))
     return replace(cs,
         replicas=replicas,
         traces=_write_rows(cs.traces, requests, target, row, ids),
@@ -278,9 +440,11 @@ def _empty_traces(requests: engine.Trace, lanes: int) -> engine.Trace:
 
 
 def init_cluster(requests: engine.Trace, params: engine.EngineParams, num_slots: int,
-                 queue_shape: Optional[engine.QueueShape], num_replicas: int) -> ClusterState:
-    """Nothing routed yet: every lane's table empty (`params` per lane, configs × replicas). Every replica's clock
-    starts at the first arrival, or at `params`' horizon if that comes first, as a single engine's does."""
+                 queue_shape: Optional[engine.QueueShape], num_replicas: int,
+                 prefix: Optional[PrefixCaches] = None) -> ClusterState:
+    """Nothing routed yet: every lane's table empty (`params` per lane, configs × replicas), and with `prefix`
+    (`prefix_caches`) every lane's prefix cache. Every replica's clock starts at the first arrival, or at
+    `params`' horizon if that comes first, as a single engine's does."""
     lanes = params.max_num_seqs.shape[0]
     num_configs = lanes // num_replicas
     n = requests.prompt.shape[0]
@@ -293,9 +457,9 @@ def init_cluster(requests: engine.Trace, params: engine.EngineParams, num_slots:
         replicas=replicas, traces=traces, routed=jnp.zeros(lanes, i32),
         replica_of=jnp.full((num_configs, n), NOT_ROUTED, i32), row_of=jnp.zeros((num_configs, n), i32),
         next_request=jnp.zeros(num_configs, i32), routed_count=jnp.zeros(num_configs, i32),
-        seen=jnp.zeros((num_configs, num_replicas, len(SIGNALS)), f32),
+        seen=jnp.zeros((num_configs, num_replicas, len(LOAD_SIGNALS)), f32),
         reported_hi=jnp.full(num_configs, -jnp.inf, f32), reported_lo=jnp.zeros(num_configs, f32),
-        finished=jnp.zeros(num_configs, bool),
+        finished=jnp.zeros(num_configs, bool), prefix=prefix,
     )
 
 
@@ -315,10 +479,12 @@ def run_cluster_from(requests: engine.Trace, draws, params: engine.EngineParams,
 
 
 def run_cluster(requests: engine.Trace, draws, params: engine.EngineParams, router: RouterParams, cost_fn: Callable,
-                num_slots: int, queue_shape: Optional[engine.QueueShape], num_replicas: int) -> ClusterState:
+                num_slots: int, queue_shape: Optional[engine.QueueShape], num_replicas: int,
+                prefix: Optional[PrefixCaches] = None) -> ClusterState:
     """Configs' clusters over one workload: `params` per lane (configs × replicas, each config's params
-    repeated per replica), `router` per config. Pure; stops early when a lane outgrows its tables."""
-    cs = init_cluster(requests, params, num_slots, queue_shape, num_replicas)
+    repeated per replica), `router` per config, `prefix` the lanes' empty prefix caches (None: none caches).
+    Pure; stops early when a lane outgrows its tables."""
+    cs = init_cluster(requests, params, num_slots, queue_shape, num_replicas, prefix)
     cs = run_cluster_from(requests, draws, params, router, cs, cost_fn, num_slots, queue_shape, num_replicas)
     return replace(cs, replicas=jax.vmap(engine.flush_running)(cs.replicas))
 

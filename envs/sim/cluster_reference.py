@@ -4,7 +4,8 @@ The executable specification of docs/engine-semantics.md's "Replicas and the rou
 not to be fast. Each replica is a reference engine (envs/sim/reference.py). For each arrival in arrival order
 (and, with ``signal_delay_s``, for the last load report before it) every replica's share so far is replayed
 from the start, stopped at that moment (every step that starts before it run, no decision at or after it
-taken); the router reads their load and sends the request on. A tenant's rate limit refuses a request at the router. The JAX cluster (envs/sim/cluster.py)
+taken); the router reads their load, and each replica's prefix cache replayed on its share with the request
+appended (envs/sim/prefix_cache.py), and sends the request on. A tenant's rate limit refuses a request at the router. The JAX cluster (envs/sim/cluster.py)
 implements the same rules independently; the differential tests compare the two.
 """
 from __future__ import annotations
@@ -19,10 +20,11 @@ from servetune.config import ClusterConfig, SchedulerConfig
 from servetune.envs.sim.outcome import (
     NOT_ROUTED, ClusterOutcome, SimulationOutcome, idle_outcome, in_workload_order, merged_outcome,
 )
+from servetune.envs.sim.prefix_cache import capacity_units, prefix_hits
 from servetune.envs.sim.reference import CostFn, _Engine
 from servetune.envs.workload.requests import Workload, take_rows
 
-SIGNAL_NAMES = ("queue", "running", "kv_utilization")
+SIGNAL_NAMES = ("queue", "running", "kv_utilization", "prefix_hit")
 
 
 def _draws(num_requests: int, num_replicas: int, seed: int) -> list[tuple[int, int]]:
@@ -65,9 +67,10 @@ class _Router:
         self.sent_without_prefix = 0
 
     def choose(self, request_id: int, signals: list[tuple]) -> int:
-        """The replica for a request, from each replica's (queue, running, kv_utilization); ties to the lowest
-        index (power_of_two: to the first drawn). Scores are float32 sums, as the JAX router forms them."""
-        outstanding = [queue + running for queue, running, _ in signals]
+        """The replica for a request, from each replica's (queue, running, kv_utilization, prefix_hit); ties to
+        the lowest index (power_of_two: to the first drawn). Scores are float32 sums, as the JAX router forms
+        them; the prefix_hit term is subtracted (a positive weight prefers hits)."""
+        outstanding = [queue + running for queue, running, _, _ in signals]
         first, second = self.draws[request_id]
         replicas = range(self.num_replicas)
         if self.kind == "round_robin":
@@ -91,8 +94,9 @@ class _Router:
             w = self.weights
 
             def score(r):
-                queue, running, kv = signals[r]
-                return np.float32(np.float32(queue) * w[0] + np.float32(running) * w[1]) + kv * w[2]
+                queue, running, kv, hit = signals[r]
+                load = np.float32(np.float32(np.float32(queue) * w[0] + np.float32(running) * w[1]) + kv * w[2])
+                return np.float32(load - hit * w[3])
             choice = min(replicas, key=lambda r: (score(r), r))
         else:
             raise ValueError(f"router {self.kind} is not simulated")
@@ -108,6 +112,18 @@ def _signals(replica: _Engine) -> tuple:
     held = config.usable_kv_blocks - replica.free_blocks
     return (len(replica.waiting) + unprocessed, len(replica.running),
             np.float32(held) / np.float32(config.usable_kv_blocks))
+
+
+def _prefix_hit(workload: Workload, share: list[int], request_id: int, scheduler: SchedulerConfig) -> np.float32:
+    """The share of the request's prompt tokens the replica's prefix cache would spare it: its cache replayed
+    on the replica's share with the request appended, the request's cached tokens over its prompt (float32, as
+    the JAX router divides). 0 for a replica that does not cache prefixes."""
+    if not scheduler.enable_prefix_caching or workload.hash_ids is None:
+        return np.float32(0.0)
+    ids = np.asarray([*share, request_id], np.int64)
+    capacity = capacity_units(workload, scheduler.num_kv_blocks, scheduler.block_size)
+    cached = prefix_hits(take_rows(workload, ids, workload.arrival_s[ids]), capacity).cached_tokens[-1]
+    return np.float32(cached) / np.float32(workload.prompt_tokens[request_id])
 
 
 def _report_time(arrival_s: float, every_s: float) -> float:
@@ -176,7 +192,10 @@ def simulate_groups_reference(workload: Workload, groups: Sequence, cluster: Clu
                 seen, reported_at = loads(report), report
         if refused[i]:
             continue
-        r = router.choose(i, seen if cluster.signal_delay_s > 0 else loads(arrival))
+        load = seen if cluster.signal_delay_s > 0 else loads(arrival)
+        # The router knows each cache from the requests it sent: prefix_hit is never a delayed report.
+        hits = [_prefix_hit(workload, shares[r], i, engines[r].scheduler) for r in range(len(engines))]
+        r = router.choose(i, [(*signals, hit) for signals, hit in zip(load, hits)])
         replica_of[i] = r
         shares[r].append(i)
 

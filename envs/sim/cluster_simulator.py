@@ -8,10 +8,12 @@ several (``simulate_groups``).
 A router that decides before the run (round_robin, random, prefix_affinity) splits the workload before the run,
 and each replica's share runs as a single engine of its group's (``simulate_seeds``, a group's replicas in one
 vmapped call). A router that reads the replicas' load routes as they run (``cluster.run_cluster``), every
-replica a lane with its group's engine parameters. One replica is the single engine, every request its own.
+replica a lane with its group's engine parameters and, with prefix caching, its own prefix cache, fed as the router
+sends it requests. One replica is the single engine, every request its own.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -114,6 +116,10 @@ def _lockstep_run(workload, groups, cluster, horizon_s, slos, refused, draws):
                  for group, params in zip(groups, cost_params)]
     lane_group = jnp.asarray(_group_of_replica(groups))
     params = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs)[lane_group], *per_group)
+    # Each replica's prefix cache (its group's KV capacity), filled as the router sends it requests.
+    prefix = lockstep.prefix_caches(workload, rows, [
+        (s.num_kv_blocks, s.block_size) if s.enable_prefix_caching else None
+        for s in (groups[g].scheduler for g in _group_of_replica(groups))])
     router = jax.tree_util.tree_map(lambda x: x[None],
                                     lockstep.router_params(cluster.router, cluster.router_weights,
                                                            cluster.signal_delay_s))
@@ -124,7 +130,7 @@ def _lockstep_run(workload, groups, cluster, horizon_s, slos, refused, draws):
     while True:
         shape = queue_shape_for(workload, scored, num_slots, pool_size)
         state = jax.device_get(lockstep.run_cluster_jit(trace, draws, params, router, cost_fn, num_slots, shape,
-                                                        num_replicas))
+                                                        num_replicas, prefix))
         slots_full, pool_full = bool(np.any(state.replicas.slots_filled)), bool(np.any(state.replicas.pool_filled))
         if not (slots_full or pool_full):
             break
@@ -138,7 +144,12 @@ def _lockstep_run(workload, groups, cluster, horizon_s, slos, refused, draws):
         ids = np.flatnonzero(replica == r)
         lane = jax.tree_util.tree_map(lambda x: x[r], state.replicas)
         share = take_rows(workload, ids, workload.arrival_s[ids])
-        outcomes.append(in_workload_order(workload, ids, outcome_from_state(share, lane, horizon_s)))
+        outcome = outcome_from_state(share, lane, horizon_s)
+        if state.prefix is not None:   # a replica that does not cache has looked nothing up
+            outcome = dataclasses.replace(outcome, totals=dataclasses.replace(
+                outcome.totals, prefix_hit_units=int(state.prefix.hit_units[r]),
+                prefix_looked_up_units=int(state.prefix.looked_up_units[r])))
+        outcomes.append(in_workload_order(workload, ids, outcome))
     return replica, outcomes
 
 
@@ -174,10 +185,6 @@ def _check_steppable_together(router: str, schedulers: Sequence[SchedulerConfig]
     """What routing while the replicas run cannot simulate (the config loader refuses each by its key)."""
     if router == "prefix_affinity":
         raise ValueError("prefix_affinity routes before the run: it cannot route while the replicas run")
-    if any(s.enable_prefix_caching for s in schedulers):
-        # Each replica's hits depend on the requests it was sent, decided only as the run goes.
-        raise ValueError(f"prefix caching behind the {router} router is not simulated: only behind a "
-                         f"router that decides before the run ({', '.join(lockstep.STATE_FREE_ROUTERS)})")
     if len({is_scored(s) for s in schedulers}) > 1 or len({s.length_prediction_noise for s in schedulers}) > 1:
         raise ValueError(f"replica groups stepped together behind the {router} router need one kind of waiting "
                          "queue (fcfs, or scored orders) and one length_prediction_noise")
