@@ -180,6 +180,25 @@ def test_differential_cases_hit_evict_and_let_the_prefix_hit_weight_decide(diffe
     assert changed >= 3, changed
 
 
+@pytest.mark.parametrize("router", ["round_robin", "random"])
+def test_prefix_caches_in_lock_step_are_the_caches_computed_on_each_share_before_the_run(router):
+    """Behind a router that decides before the run each replica's hits are prefix_hits on its share, computed on the
+    host; routed in lock step the same shares must give the same hits from the lanes' caches."""
+    for seed in (20_600, 20_601):
+        rng = np.random.default_rng(seed)
+        for case in draw_group(seed)[:3]:
+            workload = with_prefix_groups(case.workload, rng, groups=3)
+            scheduler = dataclasses.replace(case.scheduler, enable_prefix_caching=True)
+            args = (workload, scheduler, cluster(router, 3, seed=seed), step_time_s, case.cost, case.horizon_s)
+            before, during = simulate_cluster(*args), simulate_cluster(*args, while_running=True)
+            case = dataclasses.replace(case, workload=workload, scheduler=scheduler)
+            assert np.array_equal(before.replica, during.replica)
+            assert not differences(case, before.outcome, during.outcome), case.describe()
+            for a, b in zip(before.replicas, during.replicas):
+                assert (a.totals.prefix_hit_units, a.totals.prefix_looked_up_units) == \
+                    (b.totals.prefix_hit_units, b.totals.prefix_looked_up_units), case.describe()
+
+
 # -- behaviour: prefix hits steer the weighted router ------------------------------------------------------
 
 def prefix_group_workload(seed: int, n: int, groups: int, shared_units: int, own_units: int, rate: float):
