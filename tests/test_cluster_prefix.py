@@ -61,8 +61,8 @@ def units_workload(rng: np.random.Generator, n: int, distinct: int) -> Workload:
 @jax.jit
 def _send_one(caches, request, lane, row):
     ids = request[None]
-    leading, cached = lockstep._lookup(caches, ids, caches.capacity.shape[0])
-    return lockstep._send(caches, ids, lane[None], row[None], leading, cached, caches.capacity.shape[0]), cached[0]
+    lookup = lockstep._lookup(caches, ids, caches.capacity.shape[0])
+    return lockstep._send(caches, ids, lane[None], row[None], lookup, caches.capacity.shape[0]), lookup[2][0]
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -186,8 +186,9 @@ def _request_units(caches: PrefixCaches, ids):
 
 
 def _lookup(caches: PrefixCaches, ids, num_replicas):
-    """Per config and replica, for the config's request ``ids``: (the units of the leading run of its units
-    that the replica's cache holds, the prompt tokens that spares it: capped so that the last is computed)."""
+    """Per config and replica, for the config's request ``ids``: (which of its units the replica's cache holds,
+    the units of the leading run of them, the prompt tokens that spares it: capped so that the last is
+    computed)."""
     units, own = _request_units(caches, ids)
     num_configs = ids.shape[0]
     stamps = caches.stamp.reshape(num_configs, num_replicas, -1)
@@ -197,13 +198,14 @@ def _lookup(caches: PrefixCaches, ids, num_replicas):
     leading = jnp.sum(jnp.cumprod(held.astype(i32), axis=2), axis=2)
     leading = jnp.where(caches.enabled.reshape(num_configs, num_replicas), leading, 0)
     cached = jnp.minimum(leading * caches.unit_tokens, caches.prompt[ids][:, None] - 1)
-    return leading, cached
+    return held, leading, cached
 
 
-def _send(caches: PrefixCaches, ids, target, row, leading, cached, num_replicas) -> PrefixCaches:
+def _send(caches: PrefixCaches, ids, target, row, lookup, num_replicas) -> PrefixCaches:
     """Each config's request ``ids`` sent to lane ``target`` (the number of lanes: not sent) at ``row`` of its
-    table: its cached tokens recorded there, its units touched in order, then the least recently used units
-    evicted past the lane's capacity."""
+    table, ``lookup`` being `_lookup`'s: its cached tokens recorded there, its units touched in order, then the
+    least recently used units evicted past the lane's capacity."""
+    held, leading, cached = lookup
     lanes = caches.capacity.shape[0]
     num_configs = ids.shape[0]
     sent = target < lanes
@@ -211,13 +213,13 @@ def _send(caches: PrefixCaches, ids, target, row, leading, cached, num_replicas)
     replica = lane - jnp.arange(num_configs, dtype=i32) * num_replicas
     leading = jnp.take_along_axis(leading, replica[:, None], axis=1)[:, 0]
     cached = jnp.take_along_axis(cached, replica[:, None], axis=1)[:, 0]
+    was_cached = jnp.take_along_axis(held, replica[:, None, None], axis=1)[:, 0]   # the lookup's read, reused
     caching = sent & caches.enabled[lane]
     units, own = _request_units(caches, ids)
     own = own & caching[:, None]
     # A unit's stamp is 1 + its entry's log position; a unit a request names twice keeps its later entry's.
     stamps = caches.size[lane][:, None] + 1 + jnp.arange(caches.max_units, dtype=i32)[None, :]
     write_lane = jnp.where(own, lane[:, None], lanes)
-    was_cached = caches.stamp[lane[:, None], units] > 0
     stamp = caches.stamp.at[write_lane, units].max(stamps, mode="drop")
     latest = stamp[lane[:, None], units] == stamps
     added = jnp.sum(own & latest & ~was_cached, axis=1, dtype=i32)
@@ -233,22 +235,27 @@ def _send(caches: PrefixCaches, ids, target, row, leading, cached, num_replicas)
 
 
 def _evict(caches: PrefixCaches) -> PrefixCaches:
-    """Every lane's least recently used units dropped until it holds no more than its capacity."""
+    """Every lane's least recently used units dropped until it holds no more than its capacity. The loop carries
+    only what it changes (stamps, counts, heads); the log is read only."""
     lanes = jnp.arange(caches.capacity.shape[0])
     last = caches.log.shape[1] - 1
+    log, enabled, capacity = caches.log, caches.enabled, caches.capacity
 
-    def over(c):
-        return c.enabled & (c.count > c.capacity)
+    def over(carry):
+        _, count, _ = carry
+        return enabled & (count > capacity)
 
-    def drop_oldest(c):
-        walking = over(c)
-        position = jnp.minimum(c.head, last)
-        unit = c.log[lanes, position]
-        dropped = walking & (c.stamp[lanes, unit] == c.head + 1)   # the entry is its unit's latest
-        return replace(c, stamp=c.stamp.at[jnp.where(dropped, lanes, lanes.shape[0]), unit].set(0, mode="drop"),
-                       count=c.count - dropped.astype(i32), head=c.head + walking.astype(i32))
+    def drop_oldest(carry):
+        stamp, count, head = carry
+        walking = over(carry)
+        unit = log[lanes, jnp.minimum(head, last)]
+        dropped = walking & (stamp[lanes, unit] == head + 1)   # the entry is its unit's latest
+        return (stamp.at[jnp.where(dropped, lanes, lanes.shape[0]), unit].set(0, mode="drop"),
+                count - dropped.astype(i32), head + walking.astype(i32))
 
-    return jax.lax.while_loop(lambda c: jnp.any(over(c)), drop_oldest, caches)
+    stamp, count, head = jax.lax.while_loop(lambda carry: jnp.any(over(carry)), drop_oldest,
+                                            (caches.stamp, caches.count, caches.head))
+    return replace(caches, stamp=stamp, count=count, head=head)
 
 
 @pytree_dataclass
@@ -392,8 +399,8 @@ def _cluster_iteration(requests, draws, params, router, cs: ClusterState, cost_f
     if cs.prefix is None:
         hit = jnp.zeros((num_configs, num_replicas), f32)
     else:
-        leading, cached = _lookup(cs.prefix, ids, num_replicas)
-        hit = cached.astype(f32) / cs.prefix.prompt[ids][:, None].astype(f32)
+        lookup = _lookup(cs.prefix, ids, num_replicas)
+        hit = lookup[2].astype(f32) / cs.prefix.prompt[ids][:, None].astype(f32)
     reads = jnp.concatenate([reads, hit[:, :, None]], axis=2)
     refused = arrival & requests.rate_limited[ids]
     routes = arrival & ~refused
@@ -403,7 +410,7 @@ def _cluster_iteration(requests, draws, params, router, cs: ClusterState, cost_f
     target = jnp.where(routes, lane, lanes)
     configs = jnp.arange(num_configs)
     if cs.prefix is not None:
-        cs = replace(cs, prefix=_send(cs.prefix, ids, target, row, leading, cached, num_replicas))
+        cs = replace(cs, prefix=_send(cs.prefix, ids, target, row, lookup, num_replicas))
     return replace(cs,
         replicas=replicas,
         traces=_write_rows(cs.traces, requests, target, row, ids),
