@@ -266,10 +266,3 @@ def test_prefix_affinity_keeps_each_prefix_on_one_replica_and_every_later_reques
     # the same pairing, so it keeps groups together too; with 3 replicas each group visits every replica.
     spread = simulate_cluster(workload, scheduler, cluster("round_robin", 3), step_time_s, linear(0.01))
     assert spread.outcome.totals.prefix_hit_units == n - groups * 3
-
-
-def test_prefix_caching_behind_a_load_reading_router_is_refused():
-    workload = Workload.from_lists([0.0, 0.1], [8, 8], [1, 1])
-    scheduler = scheduler_config(enable_prefix_caching=True)
-    with pytest.raises(ValueError, match="prefix caching behind the least_outstanding router"):
-        simulate_cluster(workload, scheduler, cluster("least_outstanding", 2), step_time_s, linear(0.01))

@@ -103,7 +103,8 @@ def test_the_space_suggests_cluster_knobs_and_a_trial_assembles_the_router_weigh
      "search.knobs.cluster.replica: unknown key; did you mean search.knobs.cluster.replicas?"),
     ({"cluster.router_weights.prefix_hit": {"low": 0.0, "high": 1.0}}, {"router": "weighted",
                                                                          "router_weights": {"queue": 1.0}},
-     "search.knobs.cluster.router_weights.prefix_hit: unknown key; expected one of queue, running, kv_utilization"),
+     "search.knobs.cluster.router_weights.prefix_hit: searches the prefix_hit weight, but no replica caches "
+     "prefixes (scheduler.enable_prefix_caching is false)"),
     ({"cluster.router_weights.queue": {"low": 0.0, "high": 1.0}}, {},
      "search.knobs.cluster.router_weights.queue: searches a weight of the weighted router, but cluster.router is "
      "round_robin"),
