@@ -291,6 +291,8 @@ class _VectorEnv(VectorEnv):
     _reset_fn: Any
     _reset_to_fn: Any
     _observation_space: Any
+    _build_world: Any = staticmethod(build_world)
+    _action_space: Any = staticmethod(action_space)
 
     def __init__(self, num_envs: int, config, render_mode: Optional[str] = None, **options: Any) -> None:
         if not (isinstance(num_envs, int) and num_envs >= 1):
@@ -298,9 +300,9 @@ class _VectorEnv(VectorEnv):
         _check_render_mode(render_mode)
         self.num_envs = num_envs
         self.render_mode = render_mode
-        self.world = build_world(config, **options)
+        self.world = self._build_world(config, **options)
         self.single_observation_space = self._observation_space(self.world)
-        self.single_action_space = action_space(self.world)
+        self.single_action_space = self._action_space(self.world)
         self.action_space = batch_space(self.single_action_space, num_envs)
         self.observation_space = batch_space(self.single_observation_space, num_envs)
         self._keys = None

@@ -146,7 +146,7 @@ def resolved(params: EnvParams, variant, state: engine.EngineState):
     return jnp.all(~_real(params, variant) | (status == COMPLETED) | (status == REJECTED))
 
 
-def _meets_slos(params: EnvParams, variant, trace: engine.Trace, requests: engine.Requests):
+def meets_slos(params: EnvParams, variant, trace: engine.Trace, requests: engine.Requests):
     """Per request, whether its results meet all its SLOs (meaningful once it is DONE)."""
     bank = params.bank
     many = trace.output >= 2
@@ -155,7 +155,7 @@ def _meets_slos(params: EnvParams, variant, trace: engine.Trace, requests: engin
             & (~many | ((requests.max_gap <= bank.itl_max_s[variant]) & (tpot <= bank.tpot_max_s[variant]))))
 
 
-def _histogram_percentile(counts, q, edges):
+def histogram_percentile(counts, q, edges):
     """envs/metrics.py's ``histogram_percentile`` (log-linear inside a bin), in JAX; 0 when empty, and
     inside a bin whose lower edge is 0."""
     edges = jnp.asarray(edges)
@@ -170,13 +170,13 @@ def _histogram_percentile(counts, q, edges):
     return jnp.where((total > 0) & (low > 0), inside, 0.0)
 
 
-def _ratio_percentiles(ratios, mask, qs):
+def ratio_percentiles(ratios, mask, qs):
     """Percentiles of ratios[mask] (>= 0), read from a log-spaced histogram as run.json reads pooled ITL:
     exact to about half a bin (~1%). A sort would cost more than the rest of the observation."""
     index = jnp.floor(jnp.log(jnp.maximum(ratios, RATIO_MIN) / RATIO_MIN) / RATIO_LOG_BIN_WIDTH)
     index = jnp.clip(index, 0, RATIO_BINS - 1).astype(i32)
     counts = jnp.zeros(RATIO_BINS, i32).at[index].add(mask.astype(i32))
-    return [_histogram_percentile(counts, q, RATIO_EDGES) for q in qs]
+    return [histogram_percentile(counts, q, RATIO_EDGES) for q in qs]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -189,18 +189,19 @@ class Judged(NamedTuple):
     rejected: jnp.ndarray
 
 
-def _judge(params, variant, trace, before: engine.EngineState, after: engine.EngineState) -> Judged:
-    """Completions and rejections of an interval, judged against each request's SLOs."""
-    done_now = (after.requests.status == COMPLETED) & (before.requests.status != COMPLETED)
-    rejected_now = (after.requests.status == REJECTED) & (before.requests.status != REJECTED)
-    meets = _meets_slos(params, variant, trace, after.requests)
+def judge(params, variant, trace, before: engine.Requests, after: engine.Requests) -> Judged:
+    """Completions and rejections of an interval (the request table `before` and `after` it, rows in the
+    window's order), judged against each request's SLOs."""
+    done_now = (after.status == COMPLETED) & (before.status != COMPLETED)
+    rejected_now = (after.status == REJECTED) & (before.status != REJECTED)
+    meets = meets_slos(params, variant, trace, after)
     good = jnp.sum(done_now & meets, dtype=i32)
     completed = jnp.sum(done_now, dtype=i32)
     rejected = jnp.sum(rejected_now, dtype=i32)
     return Judged(good, completed - good + rejected, completed, rejected)
 
 
-def _waiting(state: engine.EngineState):
+def waiting_mask(state: engine.EngineState):
     """Per request, whether it is waiting: in the system and not running. Read from the request table, so it
     holds whatever the queue's layout (a ring, or a pool with admitted entries not yet compacted)."""
     n = state.requests.status.shape[0]
@@ -210,7 +211,7 @@ def _waiting(state: engine.EngineState):
     return (state.requests.status == UNFINISHED) & ~running
 
 
-def _running(state: engine.EngineState):
+def running_count(state: engine.EngineState):
     """Requests running now: the slot table's, less those an async step completed (they only keep their seats
     until the next decision)."""
     seated = jnp.arange(state.slots.req.shape[0]) < state.num_running
@@ -219,7 +220,7 @@ def _running(state: engine.EngineState):
 
 def _observe(params: EnvParams, variant, trace, before, after, action, start_s, end_s):
     bank = params.bank
-    waiting = _waiting(after)
+    waiting = waiting_mask(after)
     cached = 0 if bank.cached_tokens is None else bank.cached_tokens[variant]
     tokens = trace.prompt + after.requests.generated - cached
     queued_tokens = jnp.sum(jnp.where(waiting, tokens, 0))
@@ -230,14 +231,14 @@ def _observe(params: EnvParams, variant, trace, before, after, action, start_s, 
 
     first_now = jnp.isnan(before.requests.ttft) & ~jnp.isnan(after.requests.ttft)
     ttft_ratio = after.requests.ttft / bank.ttft_max_s[variant]   # a request without a TTFT SLO: 0
-    ttft_p50, ttft_p99 = _ratio_percentiles(ttft_ratio, first_now, (50.0, 99.0))
+    ttft_p50, ttft_p99 = ratio_percentiles(ttft_ratio, first_now, (50.0, 99.0))
     gaps = after.itl_histogram - before.itl_histogram
-    itl_p50 = _histogram_percentile(gaps, 50.0, ITL_EDGES) / params.itl_slo_s
-    itl_p99 = _histogram_percentile(gaps, 99.0, ITL_EDGES) / params.itl_slo_s
+    itl_p50 = histogram_percentile(gaps, 50.0, ITL_EDGES) / params.itl_slo_s
+    itl_p99 = histogram_percentile(gaps, 99.0, ITL_EDGES) / params.itl_slo_s
     day = jnp.mod(bank.day_offset_s[variant] + end_s * bank.day_scale, SECONDS_PER_DAY) / SECONDS_PER_DAY
     elapsed = end_s / (params.episode_hi + params.episode_lo)   # 0 without a time limit
     fields = jnp.stack([
-        after.queue_len.astype(f32), queued_tokens.astype(f32), _running(after).astype(f32), kv, rate,
+        after.queue_len.astype(f32), queued_tokens.astype(f32), running_count(after).astype(f32), kv, rate,
         ttft_p50, ttft_p99, itl_p50, itl_p99, day, elapsed,
     ])
     return jnp.concatenate([fields, backlog, action]).astype(f32)
@@ -269,7 +270,7 @@ def control_step(key, state: ControlState, action, params: EnvParams):
     start_s = state.interval.astype(f32) * params.interval_s
     hi, lo, at_end = interval_end(params, state.interval, params.interval_s)
     after, guard_hit = advance(params, variant, state.engine, action, hi, lo)
-    judged = _judge(params, variant, trace, state.engine, after)
+    judged = judge(params, variant, trace, state.engine.requests, after.requests)
     reward = judged.good.astype(f32) - params.miss_penalty * judged.missed.astype(f32)
     terminated = resolved(params, variant, after)
     truncated = at_end & ~terminated
@@ -352,7 +353,7 @@ def tune_step(key, state: TuneState, action, params: EnvParams):
     real = _real(params, variant)
     status = after.requests.status
     done = real & (status == COMPLETED)
-    good = jnp.sum(done & _meets_slos(params, variant, trace, after.requests), dtype=i32)
+    good = jnp.sum(done & meets_slos(params, variant, trace, after.requests), dtype=i32)
     completed = jnp.sum(done, dtype=i32)
     rejected = jnp.sum(real & (status == REJECTED), dtype=i32)
     arrived = jnp.sum(real & (status != NOT_ARRIVED), dtype=i32)
@@ -362,7 +363,7 @@ def tune_step(key, state: TuneState, action, params: EnvParams):
         "request_goodput": goodput, "good": good, "completed": completed, "rejected": rejected,
         "unfinished": arrived - completed - rejected, "arrived": arrived,
         "slo_attainment": jnp.where(arrived > 0, good.astype(f32) / jnp.maximum(arrived, 1).astype(f32), 0.0),
-        "duration_s": duration, "p99_itl_ms": _histogram_percentile(after.itl_histogram, 99.0, ITL_EDGES) * 1e3,
+        "duration_s": duration, "p99_itl_ms": histogram_percentile(after.itl_histogram, 99.0, ITL_EDGES) * 1e3,
         "slots_filled": after.slots_filled, "guard_hit": guard_hit,
     }
     new = TuneState(engine=after, variant=variant)
