@@ -128,8 +128,8 @@ def test_routing_by_idleness_beats_routing_by_queue_alone_for_one_seat_replicas(
     busy, which in M/M/3 at 1.6 erlangs is a quarter of arrivals (Erlang's C), and fewer with fixed service.
     Weight on `queue` alone cannot tell a busy replica from an idle one while their queues are empty, and ties
     go to the lowest index: an arrival goes to replica 0 whenever nobody waits there, busy or not, and waits out
-    its request in service while replicas 1 and 2 may idle: most requests wait. Waiting most of a service time misses the 800 ms
-    TTFT SLO, so routing by `running` must win on reward on every workload."""
+    its request in service while replicas 1 and 2 may idle: most requests wait. Waiting most of a service time
+    misses the 800 ms TTFT SLO, so routing by `running` must win on reward on every workload."""
     rate = 1.2
     env = gym.make(ENV_ID, config=CLUSTER, overrides=[
         *WEIGHTED, f"workload.arrivals.rate={rate}", f"simulation.horizon_s={120 / rate}", "scheduler.max_num_seqs=1",

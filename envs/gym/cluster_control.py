@@ -237,7 +237,15 @@ def _waiting_per_lane(cs: lockstep.ClusterState):
 
 def _kv_utilization(params: ClusterParams, cs: lockstep.ClusterState):
     usable = params.env.engine.usable_kv_blocks
-    return (usable - cs.replicas.free_blocks).astype(f32) / usable.astype(f32)
+    return (usable - cs.replicas.free_blocks).astype(f32) * _reciprocal(usable.astype(f32))
+
+
+def _reciprocal(x):
+    """1 / x, for dividing by a value every env of a vector shares. XLA turns a batch's division by a shared
+    (broadcast) value into a multiplication by its reciprocal, but a single env's scalar division stays one: the
+    two differ in the last bit. Multiplying by the reciprocal in both keeps the vector env bit-identical to
+    single envs."""
+    return 1.0 / x
 
 
 def _observe(params: ClusterParams, variant, trace, before: lockstep.ClusterState, after: lockstep.ClusterState,
@@ -258,10 +266,11 @@ def _observe(params: ClusterParams, variant, trace, before: lockstep.ClusterStat
     first_now = jnp.isnan(was.ttft) & ~jnp.isnan(now.ttft)
     ttft_p50, ttft_p99 = core.ratio_percentiles(now.ttft / bank.ttft_max_s[variant], first_now, (50.0, 99.0))
     gaps = jnp.sum(after.replicas.itl_histogram - before.replicas.itl_histogram, axis=0)
-    itl_p50 = core.histogram_percentile(gaps, 50.0, core.ITL_EDGES) / env.itl_slo_s
-    itl_p99 = core.histogram_percentile(gaps, 99.0, core.ITL_EDGES) / env.itl_slo_s
-    day = jnp.mod(bank.day_offset_s[variant] + end_s * bank.day_scale, core.SECONDS_PER_DAY) / core.SECONDS_PER_DAY
-    elapsed = end_s / (env.episode_hi + env.episode_lo)   # 0 without a time limit
+    itl_p50 = core.histogram_percentile(gaps, 50.0, core.ITL_EDGES) * _reciprocal(env.itl_slo_s)
+    itl_p99 = core.histogram_percentile(gaps, 99.0, core.ITL_EDGES) * _reciprocal(env.itl_slo_s)
+    day_s = jnp.mod(bank.day_offset_s[variant] + end_s * bank.day_scale, core.SECONDS_PER_DAY)
+    day = day_s * (1.0 / core.SECONDS_PER_DAY)
+    elapsed = end_s * _reciprocal(env.episode_hi + env.episode_lo)   # 0 without a time limit
     fields = jnp.stack([
         jnp.sum(queue), queued_tokens.astype(f32), jnp.sum(running), jnp.mean(kv), rate,
         ttft_p50, ttft_p99, itl_p50, itl_p99, day, elapsed,
