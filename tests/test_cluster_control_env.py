@@ -94,8 +94,14 @@ def test_fixed_weights_reproduce_simulate(delay):
     assert max(obs["queue_len"] for obs, _ in seen) > 0
 
 
-def test_check_env_passes():
+def test_check_env_passes_and_ansi_shows_the_weights_in_force():
     check_env(gym.make(ENV_ID, **LOADED).unwrapped, skip_render_check=True)
+    env = gym.make(ENV_ID, render_mode="ansi", **LOADED)
+    env.reset(options={"workload": 0})
+    knobs = np.asarray(env.unwrapped.world.params.env.config_action)
+    env.step(np.concatenate([cc.encode_weights({"queue": 2.0, "kv_utilization": 0.25},
+                                               env.unwrapped.world.weight_bounds), knobs]))
+    assert env.render().rstrip().endswith("w_queue=2 w_running=0 w_kv_utilization=0.25")
 
 
 def test_vector_env_agrees_with_single_envs_step_for_step():
