@@ -85,9 +85,8 @@ def test_fixed_weights_reproduce_simulate(delay):
     for obs, step_info in seen:
         # The per-replica counts (read from each replica's slots and queue) add up to the cluster's, and to the
         # requests in flight counted over the window's request table.
-        for field in ("queue", "running"):
-            assert obs[f"{'queue_len' if field == 'queue' else field}"] == sum(obs[f"replica{r}_{field}"]
-                                                                             for r in range(3))
+        for total_field, field in (("queue_len", "queue"), ("running", "running")):
+            assert obs[total_field] == sum(obs[f"replica{r}_{field}"] for r in range(3))
         assert obs["queue_len"] + obs["running"] == step_info["in_flight"]
         assert obs["backlog_default"] == obs["queue_len"]
         assert not step_info["slots_filled"] and not step_info["guard_hit"]

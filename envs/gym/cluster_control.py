@@ -128,12 +128,15 @@ def _checked_cluster(config: Config) -> None:
     if router in STATE_FREE_ROUTERS:
         raise ValueError(f"{where}: cluster.router: got {router!r}, expected {accepted}: {router} decides every "
                          "route before the run, so there is no routing to steer while it runs")
+    if not isinstance(config.cluster.replicas, int):
+        raise ValueError(f"{where}: cluster.replicas: got {config.cluster.replicas!r}, expected a number of identical "
+                         "replicas (the env does not steer replica groups yet)")
     if config.cluster.replicas == 1:
         raise ValueError(f"{where}: cluster.replicas: got 1, expected at least 2 (one replica has nothing to "
                          "route between: servetune/ServeControl-v0 steers a single engine)")
 
 
-def _weight_bounds(config: Config, starting: dict, overrides: Optional[Mapping]) -> dict:
+def _weight_bounds(starting: dict, overrides: Optional[Mapping]) -> dict:
     """{signal: (low, high)}: DEFAULT_WEIGHT_BOUNDS grown to include the starting weight, or as given."""
     bounds = {signal: (min(DEFAULT_WEIGHT_BOUNDS[0], starting[signal]), max(DEFAULT_WEIGHT_BOUNDS[1], starting[signal]))
               for signal in SIGNALS}
@@ -183,7 +186,7 @@ def build_cluster_world(config: Union[str, Path, Mapping, Config], *, overrides:
     cluster = world.config.cluster
     given = dict(cluster.router_weights or ()) if cluster.router == "weighted" else STARTING_WEIGHTS[cluster.router]
     starting = {signal: float(given.get(signal, 0.0)) for signal in SIGNALS}
-    bounds = _weight_bounds(world.config, starting, weight_bounds)
+    bounds = _weight_bounds(starting, weight_bounds)
     rows = world.params.bank.trace.prompt.shape[1]
     params = ClusterParams(
         env=world.params,
