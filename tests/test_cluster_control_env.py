@@ -170,3 +170,8 @@ def test_bad_configs_are_refused_in_one_line():
         gym.make(ENV_ID, config=CLUSTER, overrides=["cluster.signal_delay_s=0.3"], interval_s=1.0)
     with pytest.raises(ValueError, match=r"weight_bounds: queue: got \(2, 1\), expected \(low, high\)"):
         gym.make(ENV_ID, config=CLUSTER, weight_bounds={"queue": (2, 1)})
+    with pytest.raises(ValueError, match=r"cluster.yaml: scheduler.enable_prefix_caching: got true, expected false"):
+        gym.make(ENV_ID, config=CLUSTER, overrides=["scheduler.enable_prefix_caching=true"])
+    with pytest.raises(ValueError, match=r"weight_bounds: unknown signal 'prefix_hit', expected one of queue, "
+                                         r"running, kv_utilization"):
+        gym.make(ENV_ID, config=CLUSTER, weight_bounds={"prefix_hit": (0, 1)})

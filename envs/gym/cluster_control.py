@@ -52,7 +52,9 @@ from servetune.envs.sim.outcome import COMPLETED, NOT_ARRIVED, NOT_ROUTED, REJEC
 from servetune.pytree import pytree_dataclass, replace, static_field
 
 f32, i32 = jnp.float32, jnp.int32
-SIGNALS = lockstep.SIGNALS
+# The weights the action steers: the load signals. The env keeps no per-replica prefix caches
+# (_checked_cluster refuses prefix caching), so the weighted router's prefix_hit weight stays 0.
+SIGNALS = lockstep.LOAD_SIGNALS
 DEFAULT_WEIGHT_BOUNDS = (0.0, 4.0)
 WEIGHT_STEPS = 1024   # a weight is a multiple of 1 / WEIGHT_STEPS
 # The routers an agent can take over: those that read the replicas' load as they run.
@@ -131,6 +133,9 @@ def _checked_cluster(config: Config) -> None:
     if not isinstance(config.cluster.replicas, int):
         raise ValueError(f"{where}: cluster.replicas: got {config.cluster.replicas!r}, expected a number of identical "
                          "replicas (the env does not steer replica groups yet)")
+    if config.scheduler.enable_prefix_caching:
+        raise ValueError(f"{where}: scheduler.enable_prefix_caching: got true, expected false (the env does not keep "
+                         "each replica's prefix cache yet)")
     if config.cluster.replicas == 1:
         raise ValueError(f"{where}: cluster.replicas: got 1, expected at least 2 (one replica has nothing to "
                          "route between: servetune/ServeControl-v0 steers a single engine)")
@@ -214,7 +219,8 @@ def _lane_params(params: ClusterParams, variant, knobs, horizon_hi, horizon_lo, 
 
 def _router(params: ClusterParams, weights) -> lockstep.RouterParams:
     """One config's weighted router (leading axis: configs, of which there is one)."""
-    return lockstep.RouterParams(kind=jnp.asarray([WEIGHTED], i32), weights=weights[None],
+    unsteered = jnp.zeros(len(lockstep.SIGNALS) - len(SIGNALS), f32)
+    return lockstep.RouterParams(kind=jnp.asarray([WEIGHTED], i32), weights=jnp.concatenate([weights, unsteered])[None],
                                  report_every_s=params.report_every_s[None])
 
 
