@@ -39,6 +39,7 @@ differences, which are accurate.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from functools import lru_cache, partial
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -408,25 +409,50 @@ def _set_where(array, index, value, mask):
     return array.at[jnp.where(mask, index, array.shape[0])].set(value, mode="drop")
 
 
+# The name of the axis `while_any_live` vmaps its runs over, while its loop body is being traced; None
+# elsewhere. The rare phases below read it to skip their kernels when no run of the batch needs them.
+_runs_axis: Optional[str] = None
+RUNS_AXIS = "runs"
+
+
+@contextmanager
+def _tracing_runs_axis():
+    global _runs_axis
+    outer, _runs_axis = _runs_axis, RUNS_AXIS
+    try:
+        yield
+    finally:
+        _runs_axis = outer
+
+
+def _any_run(pred):
+    """Whether `pred` holds for some run of the batch `while_any_live` steps together: an unbatched value, so
+    that a lax.cond on it stays a branch under the vmap instead of becoming a select of both sides."""
+    return jax.lax.psum(pred.astype(i32), _runs_axis) > 0
+
+
 def _when(pred, branch: Callable, carry, *inputs):
     """``branch(carry, *inputs)`` where `pred`, else `carry` unchanged; `branch` must itself leave `carry`
     unchanged when `pred` is False (its writes all masked by what `pred` sums up).
 
-    A phase that rarely does anything costs its kernels on every loop iteration, so a single run skips
-    them with a lax.cond. Batched runs (vmapped over configs) run the branch for every config instead:
-    there a lax.cond with a per-config predicate computes both sides and selects the whole carry, request
-    table included, per config and iteration."""
-    @custom_vmap
-    def skippable(pred, carry, inputs):
-        return jax.lax.cond(pred, lambda c, i: branch(c, *i), lambda c, i: c, carry, inputs)
+    A phase that rarely does anything costs its kernels on every loop iteration, so a run skips them with a
+    lax.cond. In a batch of runs (`while_any_live`) the branch runs for every run when some run needs it: a
+    lax.cond on a per-run predicate would compute both sides and select the whole carry, request table
+    included, per run and iteration."""
+    decide = pred if _runs_axis is None else _any_run(pred)
+    return jax.lax.cond(decide, lambda c, i: branch(c, *i), lambda c, i: c, carry, inputs)
 
-    @skippable.def_vmap
-    def every_config(axis_size, in_batched, pred, carry, inputs):
-        axes = jax.tree_util.tree_map(lambda batched: 0 if batched else None, tuple(in_batched[1:]))
-        out = jax.vmap(lambda c, i: branch(c, *i), in_axes=axes, axis_size=axis_size)(carry, inputs)
-        return out, jax.tree_util.tree_map(lambda _: True, out)
 
-    return skippable(pred, carry, inputs)
+def _cond_rare(pred, rare: Callable, usual: Callable, operand):
+    """``lax.cond(pred, rare, usual, operand)`` for a `rare` branch: in a batch of runs (`while_any_live`) both
+    sides run, each run taking its own, only when some run needs `rare`; otherwise `usual` alone runs."""
+    if _runs_axis is None:
+        return jax.lax.cond(pred, rare, usual, operand)
+
+    def each_its_own(operand):
+        return jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), rare(operand), usual(operand))
+
+    return jax.lax.cond(_any_run(pred), each_its_own, usual, operand)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -977,7 +1003,7 @@ def _pool_update(state: EngineState, needed, update) -> EngineState:
     """Apply `update` (pool fields -> pool fields) only when `needed`: it touches the whole pool, which can
     be long, and is rarely needed. Only the pool goes through the branch, never the request table."""
     fields = tuple(getattr(state, name) for name in _POOL_FIELDS)
-    return replace(state, **dict(zip(_POOL_FIELDS, jax.lax.cond(needed, update, lambda f: f, fields))))
+    return replace(state, **dict(zip(_POOL_FIELDS, _cond_rare(needed, update, lambda f: f, fields))))
 
 
 def _make_room(state: EngineState, room: int) -> EngineState:
@@ -1115,7 +1141,7 @@ def _form_static_batch(trace, params, state, front: Front, timeout, num_slots, q
     def none(slots):
         return slots, jnp.asarray(0, i32), jnp.asarray(0, i32)
 
-    slots, count, blocks = jax.lax.cond(trigger, form, none, state.slots)
+    slots, count, blocks = _cond_rare(trigger, form, none, state.slots)
     state = replace(state, slots=slots, num_running=state.num_running + count, free_blocks=state.free_blocks - blocks)
     return queue.pop_front(trace, state, count), count
 
@@ -1174,7 +1200,8 @@ def _running_pass(params, state, num_slots, cap):
 
     # A shortfall is rare: a lax.cond runs the preemption search's kernels only when there is one. (New blocks
     # that fit without any frees fit with them.)
-    scheduled, end, free = jax.lax.cond(_sum(extra) > state.free_blocks, preempting, fitting)
+    scheduled, end, free = _cond_rare(_sum(extra) > state.free_blocks, lambda _: preempting(), lambda _: fitting(),
+                                      None)
     tokens = jnp.where(scheduled, tokens, 0)
     slots = replace(s, blocks=s.blocks + jnp.where(scheduled, net, 0))
     if window is not None:
@@ -1943,9 +1970,14 @@ def while_any_live(body: Callable, params, state, trace=None):
     """Iterate a batch of runs (leading axis on params and state; on trace too when given) while any is live:
     ``body(params, state, trace)`` is one run's iteration."""
     trace_axis = None if trace is None else 0
+
+    def one_run(p, s, t):
+        with _tracing_runs_axis():
+            return body(p, s, t)
+
     return jax.lax.while_loop(
         lambda s: jnp.any(jax.vmap(_live)(s, params)),
-        lambda s: jax.vmap(body, in_axes=(0, 0, trace_axis))(params, s, trace),
+        lambda s: jax.vmap(one_run, in_axes=(0, 0, trace_axis), axis_name=RUNS_AXIS)(params, s, trace),
         state,
     )
 
