@@ -29,6 +29,7 @@ the state's key and the environments are deterministic.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache, partial
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -142,48 +143,117 @@ def advantages(reward, value, done, last_value, gamma: float, lam: float):
 class Trainer:
     init: Callable        # key -> TrainState
     update: Callable      # TrainState -> (TrainState, metrics), jitted
+    compile: Callable     # TrainState -> ``update`` compiled ahead for states of its shapes
     rollout: Callable     # TrainState -> TrainState: a rollout with no learning (to time the two apart)
     num_updates: int
     steps_per_update: int
 
 
+class Hyperparameters(NamedTuple):
+    """The RlConfig fields PPO's programs are built from: trainers that agree on these (and on the environment's
+    functions and sizes) share one compiled update, whatever their run's length (``timesteps``) or seed."""
+
+    num_envs: int
+    num_steps: int
+    num_minibatches: int
+    update_epochs: int
+    learning_rate: float
+    anneal_lr: bool
+    max_grad_norm: float
+    gamma: float
+    gae_lambda: float
+    clip_eps: float
+    vf_coef: float
+    ent_coef: float
+    hidden: tuple[int, ...]
+    log_std_init: float
+
+    @classmethod
+    def of(cls, rl: RlConfig) -> "Hyperparameters":
+        values = {name: getattr(rl, name) for name in cls._fields}
+        return cls(**{**values, "hidden": tuple(values["hidden"])})
+
+
+class EnvFunctions(NamedTuple):
+    """What of an EnvSpec shapes the programs (its params and initial action are their arguments instead)."""
+
+    reset: Callable
+    step: Callable
+    obs_size: int
+    action_size: int
+    episode_sums: tuple[str, ...]
+    episode_last: tuple[str, ...]
+
+
 def make_train(env: EnvSpec, rl: RlConfig) -> Trainer:
+    hp = Hyperparameters.of(rl)
+    batch = hp.num_envs * hp.num_steps
+    num_updates = max(1, rl.timesteps // batch)
+    programs = _programs(EnvFunctions(env.reset, env.step, env.obs_size, env.action_size, tuple(env.episode_sums),
+                                      tuple(env.episode_last)), hp)
+    params, initial_action, updates = env.params, env.initial_action, jnp.asarray(num_updates, jnp.int32)
+
+    def compile_update(state: TrainState) -> Callable:
+        compiled = programs.update.lower(state, params, updates).compile()
+        return lambda state: compiled(state, params, updates)
+
+    return Trainer(init=lambda key: programs.init(key, params, initial_action),
+                   update=lambda state: programs.update(state, params, updates),
+                   compile=compile_update,
+                   rollout=lambda state: programs.rollout(state, params),
+                   num_updates=num_updates, steps_per_update=batch)
+
+
+class _Programs(NamedTuple):
+    init: Callable      # (key, env params, initial action) -> TrainState
+    update: Callable    # (state, env params, num_updates) -> (state, metrics)
+    rollout: Callable   # (state, env params) -> state
+
+
+@lru_cache(maxsize=32)
+def _programs(env: EnvFunctions, rl: Hyperparameters) -> _Programs:
+    """The jitted programs, one set per (environment functions, hyperparameters): the environment's params and
+    the run's number of updates (the learning rate's annealing length) are traced arguments, so a second trainer
+    of another length or world of the same shapes reuses the compiled update instead of tracing a new one."""
     num_envs, num_steps = rl.num_envs, rl.num_steps
     batch = num_envs * num_steps
-    num_updates = max(1, rl.timesteps // batch)
     minibatch = batch // rl.num_minibatches
 
-    def learning_rate(count):
-        # count is in optimizer steps; each update takes update_epochs * num_minibatches of them.
-        done = count // (rl.update_epochs * rl.num_minibatches)
-        return rl.learning_rate * (1.0 - done / num_updates) if rl.anneal_lr else rl.learning_rate
+    def make_optimizer(num_updates):
+        def learning_rate(count):
+            # count is in optimizer steps; each update takes update_epochs * num_minibatches of them.
+            done = count // (rl.update_epochs * rl.num_minibatches)
+            return rl.learning_rate * (1.0 - done / num_updates) if rl.anneal_lr else rl.learning_rate
 
-    optimizer = optax.chain(optax.clip_by_global_norm(rl.max_grad_norm), optax.adam(learning_rate, eps=1e-5))
+        return optax.chain(optax.clip_by_global_norm(rl.max_grad_norm), optax.adam(learning_rate, eps=1e-5))
+
     step_batch = jax.jit(lambda keys, states, actions, params: autoreset_step(
         env.step, env.reset, keys, states, actions, params))
 
-    def init(key) -> TrainState:
+    def init(key, params, initial_action) -> TrainState:
         network_key, env_key, key = jax.random.split(key, 3)
-        network = net.init_network(network_key, env.obs_size, env.action_size, rl.hidden, env.initial_action,
+        network = net.init_network(network_key, env.obs_size, env.action_size, rl.hidden, initial_action,
                                    rl.log_std_init)
         pairs = jax.vmap(jax.random.split)(jax.random.split(env_key, num_envs))
-        obs, env_state = jax.vmap(env.reset, (0, None))(pairs[:, 1], env.params)
+        obs, env_state = jax.vmap(env.reset, (0, None))(pairs[:, 1], params)
         obs_stats = update_stats(empty_stats(env.obs_size), obs)
+        # The optimiser's state does not depend on the schedule's length.
         return TrainState(
-            network=network, opt_state=optimizer.init(network), obs_stats=obs_stats, return_stats=empty_stats(()),
-            discounted=jnp.zeros(num_envs, f32), env_state=env_state, obs=obs, env_keys=pairs[:, 0],
+            network=network, opt_state=make_optimizer(1).init(network), obs_stats=obs_stats,
+            return_stats=empty_stats(()), discounted=jnp.zeros(num_envs, f32), env_state=env_state, obs=obs,
+            env_keys=pairs[:, 0],
             episodes=Episodes(jnp.zeros(num_envs, f32), jnp.zeros(num_envs, jnp.int32),
                               jnp.zeros((num_envs, len(env.episode_sums)), f32)),
             key=key, update=jnp.asarray(0, jnp.int32))
 
-    def env_step(state: TrainState, _):
+    def env_step(params, state: TrainState, _):
         key, action_key = jax.random.split(state.key)
         obs = net.normalise(state.obs, state.obs_stats.mean, state.obs_stats.var)
         mean = net.actor_mean(state.network, obs)
         log_std = state.network["log_std"]
         action = mean + jnp.exp(log_std) * jax.random.normal(action_key, mean.shape)
         next_obs, env_state, reward, terminated, truncated, info, _, env_keys = step_batch(
-            state.env_keys, state.env_state, action, env.params)
+            state.env_keys, state.env_state, action, params)
         done = terminated | truncated
         discounted = state.discounted * rl.gamma + reward
         return_stats = update_stats(state.return_stats, discounted)
@@ -217,7 +287,7 @@ def make_train(env: EnvSpec, rl: RlConfig) -> Trainer:
         ent = net.entropy(log_std)
         return actor + rl.vf_coef * critic - rl.ent_coef * ent, (actor, critic, ent)
 
-    def learn(carry, _):
+    def learn(optimizer, carry, _):
         network, opt_state, key, flat = carry
         key, shuffle_key = jax.random.split(key)
         order = jax.random.permutation(shuffle_key, batch)
@@ -234,9 +304,8 @@ def make_train(env: EnvSpec, rl: RlConfig) -> Trainer:
         (network, opt_state), parts = jax.lax.scan(minibatch_step, (network, opt_state), shuffled)
         return (network, opt_state, key, flat), parts
 
-    @jax.jit
-    def update(state: TrainState):
-        state, (transitions, reward, done, ended) = jax.lax.scan(env_step, state, None, num_steps)
+    def update(state: TrainState, params, num_updates):
+        state, (transitions, reward, done, ended) = jax.lax.scan(partial(env_step, params), state, None, num_steps)
         last_obs = net.normalise(state.obs, state.obs_stats.mean, state.obs_stats.var)
         gae = advantages(transitions.reward, transitions.value, transitions.done,
                          net.value(state.network, last_obs), rl.gamma, rl.gae_lambda)
@@ -244,7 +313,8 @@ def make_train(env: EnvSpec, rl: RlConfig) -> Trainer:
         flat = jax.tree_util.tree_map(lambda x: x.reshape((batch,) + x.shape[2:]), (transitions, gae, target))
         key, learn_key = jax.random.split(state.key)
         (network, opt_state, _, _), (actor, critic, ent) = jax.lax.scan(
-            learn, (state.network, state.opt_state, learn_key, flat), None, rl.update_epochs)
+            partial(learn, make_optimizer(num_updates)), (state.network, state.opt_state, learn_key, flat), None,
+            rl.update_epochs)
         episodes = jnp.sum(done)
         per_episode = {name: jnp.sum(jnp.where(done, values, 0.0)) / jnp.maximum(episodes, 1)
                        for name, values in ended.items()}
@@ -255,8 +325,7 @@ def make_train(env: EnvSpec, rl: RlConfig) -> Trainer:
         state = replace(state, network=network, opt_state=opt_state, key=key, update=state.update + 1)
         return state, metrics
 
-    def rollout(state: TrainState) -> TrainState:
-        return jax.lax.scan(env_step, state, None, num_steps)[0]
+    def rollout(state: TrainState, params) -> TrainState:
+        return jax.lax.scan(partial(env_step, params), state, None, num_steps)[0]
 
-    return Trainer(init=jax.jit(init), update=update, rollout=rollout, num_updates=num_updates,
-                   steps_per_update=batch)
+    return _Programs(jax.jit(init), jax.jit(update), jax.jit(rollout))

@@ -205,7 +205,7 @@ def _make_learner(config: Config, world: World) -> _Learner:
         return _Learner(es.init, es.generation, es.compile, es.num_generations, es.steps_per_generation,
                         es.network, lambda state: (state.obs_mean, state.obs_var))
     ppo: Trainer = make_train(env_spec(world), rl)
-    return _Learner(ppo.init, ppo.update, lambda state: ppo.update.lower(state).compile(), ppo.num_updates,
+    return _Learner(ppo.init, ppo.update, ppo.compile, ppo.num_updates,
                     ppo.steps_per_update, lambda state: state.network,
                     lambda state: (state.obs_stats.mean, state.obs_stats.var))
 
