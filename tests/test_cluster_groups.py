@@ -168,6 +168,21 @@ def test_a_mixed_cluster_matches_the_reference_cluster(seed):
         assert not lines, f"{router}: {case.describe()}\n  " + "\n  ".join(lines[:6])
 
 
+@pytest.mark.parametrize("router", ["least_kv", "weighted"])
+def test_load_reports_at_a_period_float32_cannot_hold_match_the_reference(router):
+    """Reports every 0.1 s: k · 0.1 rounds in float32, and a report read must never be taken for a new one
+    (a run whose loop compared the report's time, fused into one rounding, with the stored time never ended)."""
+    case, groups = _mixed_groups(30_000)
+    config = ClusterConfig(replicas=3, router=router, seed=1, signal_delay_s=0.1,
+                           router_weights=(("queue", 1.0), ("kv_utilization", 2.0)) if router == "weighted" else None)
+    ref = simulate_groups_reference(case.workload, groups, config, case.horizon_s)
+    got = simulate_groups(case.workload, groups, config, case.horizon_s)
+    lines = _disagreements(case, ref, got)
+    assert not lines, f"{router}: {case.describe()}\n  " + "\n  ".join(lines[:6])
+    reports = np.floor(np.asarray(case.workload.arrival_s, np.float32) / np.float32(0.1))
+    assert len(np.unique(reports)) > 3, "too few load reports: the test would prove nothing"
+
+
 def _f32(params):
     return jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), params)
 

@@ -268,8 +268,7 @@ class ClusterState:
     next_request: jnp.ndarray      # int32[configs]: the first request not yet routed
     routed_count: jnp.ndarray      # int32[configs]: requests routed so far (round_robin's counter)
     seen: jnp.ndarray              # float32[configs, R, len(LOAD_SIGNALS)]: the signals of the last report
-    reported_hi: jnp.ndarray       # float32[configs]: when the last report was taken (-inf: none yet)
-    reported_lo: jnp.ndarray
+    reported_period: jnp.ndarray   # float32[configs]: k of the last report read, taken at k·signal_delay_s (-inf: none)
     finished: jnp.ndarray          # bool[configs]: every arrival routed and the replicas run to the end
     prefix: Optional[PrefixCaches] = None   # each lane's prefix cache; None: no lane caches prefixes
 
@@ -337,20 +336,22 @@ def _write_rows(traces: engine.Trace, requests: engine.Trace, lanes, rows, ids) 
 
 
 def _next_event(requests: engine.Trace, router: RouterParams, cs: ClusterState, user_hi, user_lo):
-    """Per config: (event hi, lo, is a report, is an arrival). The next event is the next arrival before the
-    horizon, or before it the last report the router reads for it; none (inf) once every arrival is routed."""
+    """Per config: (event hi, lo, its report period, is a report, is an arrival). The next event is the next
+    arrival before the horizon, or before it the last report the router reads for it; none (inf) once every
+    arrival is routed."""
     n = requests.prompt.shape[0]
     index = jnp.minimum(cs.next_request, n - 1)
     a_hi, a_lo = requests.arrival_hi[index], requests.arrival_lo[index]
     arrives = (cs.next_request < n) & jnp.isfinite(a_hi) & ~df_le(user_hi, user_lo, a_hi, a_lo)
     every = router.report_every_s
-    # Reports come at 0, every, 2·every, ...: the last at or before the arrival.
-    periods = jnp.floor(a_hi / jnp.where(every > 0, every, 1.0))
-    report_hi, report_lo = periods * every, jnp.zeros_like(a_hi)
-    report = arrives & (every > 0) & ~df_le(report_hi, report_lo, cs.reported_hi, cs.reported_lo)
-    hi = jnp.where(report, report_hi, jnp.where(arrives, a_hi, jnp.inf))
-    lo = jnp.where(report, report_lo, jnp.where(arrives, a_lo, 0.0))
-    return hi, lo, report, arrives & ~report
+    # Reports come at 0, every, 2·every, ...: the last at or before the arrival. A report is new when its
+    # period is: comparing the report's time with the last one's instead loops for ever where XLA fuses the
+    # product into the comparison (one rounding) but stores it rounded, and the two disagree by an ulp.
+    period = jnp.floor(a_hi / jnp.where(every > 0, every, 1.0))
+    report = arrives & (every > 0) & (period > cs.reported_period)
+    hi = jnp.where(report, _rounded(period * every), jnp.where(arrives, a_hi, jnp.inf))
+    lo = jnp.where(arrives & ~report, a_lo, 0.0)
+    return hi, lo, period, report, arrives & ~report
 
 
 def _cluster_iteration(requests, draws, params, router, cs: ClusterState, cost_fn, num_slots, queue, num_replicas):
@@ -367,7 +368,7 @@ def _cluster_iteration(requests, draws, params, router, cs: ClusterState, cost_f
         # Each lane's rows start their prefill after the tokens its cache held when they were routed there.
         params = replace(params, cached_tokens=cs.prefix.cached_tokens)
     user_hi, user_lo = per_config(params.horizon_hi), per_config(params.horizon_lo)
-    hi, lo, report, arrival = _next_event(requests, router, cs, user_hi, user_lo)
+    hi, lo, period, report, arrival = _next_event(requests, router, cs, user_hi, user_lo)
     # Run every replica of an unfinished config to the event (to the end once nothing is left to route).
     last = ~jnp.isfinite(hi)
     stop_hi, stop_lo = jnp.where(last, user_hi, hi), jnp.where(last, user_lo, lo)
@@ -420,8 +421,7 @@ def _cluster_iteration(requests, draws, params, router, cs: ClusterState, cost_f
         next_request=cs.next_request + arrival.astype(i32),
         routed_count=cs.routed_count + routes.astype(i32),
         seen=seen,
-        reported_hi=jnp.where(report, hi, cs.reported_hi),
-        reported_lo=jnp.where(report, lo, cs.reported_lo),
+        reported_period=jnp.where(report, period, cs.reported_period),
         finished=cs.finished | last,
     )
 
@@ -465,7 +465,7 @@ def init_cluster(requests: engine.Trace, params: engine.EngineParams, num_slots:
         replica_of=jnp.full((num_configs, n), NOT_ROUTED, i32), row_of=jnp.zeros((num_configs, n), i32),
         next_request=jnp.zeros(num_configs, i32), routed_count=jnp.zeros(num_configs, i32),
         seen=jnp.zeros((num_configs, num_replicas, len(LOAD_SIGNALS)), f32),
-        reported_hi=jnp.full(num_configs, -jnp.inf, f32), reported_lo=jnp.zeros(num_configs, f32),
+        reported_period=jnp.full(num_configs, -jnp.inf, f32),
         finished=jnp.zeros(num_configs, bool), prefix=prefix,
     )
 
@@ -475,14 +475,32 @@ def run_cluster_from(requests: engine.Trace, draws, params: engine.EngineParams,
                      num_replicas: int) -> ClusterState:
     """Continue `cs` up to `params`' horizon (every arrival before it routed, every step that starts before it
     run), under `router` (which may differ from the one before: a controller steers it an interval at a time).
-    Nothing is flushed, so the state stays resumable; stops early when a lane outgrows its tables."""
+    Nothing is flushed, so the state stays resumable; stops early when a lane outgrows its tables.
+
+    Each iteration routes an arrival, reads the report before one (at most one per arrival) or finishes, so
+    2n + 1 iterations end any run: a state left unfinished without outgrowing its tables is a defect
+    (`check_finished`), never a loop that does not end."""
     queue = engine.waiting_queue(queue_shape)
-    cs = replace(cs, finished=jnp.zeros_like(cs.finished))
-    return jax.lax.while_loop(
-        lambda cs: ~jnp.all(cs.finished) & ~_outgrown(cs),
-        lambda cs: _cluster_iteration(requests, draws, params, router, cs, cost_fn, num_slots, queue, num_replicas),
-        cs,
-    )
+    bound = 2 * requests.prompt.shape[0] + 1
+
+    def more(carry):
+        cs, iterations = carry
+        return ~jnp.all(cs.finished) & ~_outgrown(cs) & (iterations < bound)
+
+    def iterate(carry):
+        cs, iterations = carry
+        cs = _cluster_iteration(requests, draws, params, router, cs, cost_fn, num_slots, queue, num_replicas)
+        return cs, iterations + 1
+
+    cs, _ = jax.lax.while_loop(more, iterate, (replace(cs, finished=jnp.zeros_like(cs.finished)), jnp.int32(0)))
+    return cs
+
+
+def check_finished(cs: ClusterState) -> None:
+    """Raise if a run that did not outgrow its tables stopped before the end (`run_cluster_from`'s bound)."""
+    if not bool(jnp.all(cs.finished)) and not bool(_outgrown(cs)):
+        raise RuntimeError("the lock-step cluster stopped before routing every arrival: its loop made no progress "
+                           f"(requests routed per config: {np.asarray(cs.next_request).tolist()}); please report it")
 
 
 def run_cluster(requests: engine.Trace, draws, params: engine.EngineParams, router: RouterParams, cost_fn: Callable,

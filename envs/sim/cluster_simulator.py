@@ -133,6 +133,7 @@ def _lockstep_run(workload, groups, cluster, horizon_s, slos, refused, draws):
                                                         num_replicas, prefix))
         slots_full, pool_full = bool(np.any(state.replicas.slots_filled)), bool(np.any(state.replicas.pool_filled))
         if not (slots_full or pool_full):
+            lockstep.check_finished(state)
             break
         if slots_full:
             num_slots = next(size for size in sizes if size > num_slots)
