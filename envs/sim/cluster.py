@@ -39,6 +39,7 @@ from servetune.envs.sim.double_float import df_le
 from servetune.envs.sim.outcome import NOT_ROUTED
 from servetune.envs.sim.prefix_cache import capacity_units
 from servetune.envs.sim.queue_order import NO_DEADLINE_S
+from servetune.envs.sim.simulator import power_of_two_at_least
 from servetune.pytree import pytree_dataclass, replace, static_field
 
 f32, i32 = jnp.float32, jnp.int32
@@ -130,7 +131,7 @@ class PrefixCaches:
     was touched again later) -- amortised O(1) per unit. A lane is sent at most the workload's U units, so its log
     never wraps. Memory: 4 bytes x lanes x (D + U + rows), besides the workload's units (4 (U + 3 rows) bytes)."""
 
-    unit_ids: jnp.ndarray        # int32[U + max_units]: request i's units at unit_start[i] ..., then padding
+    unit_ids: jnp.ndarray        # int32[log length + max_units]: request i's units at unit_start[i] ..., then padding
     unit_start: jnp.ndarray      # int32[rows]
     unit_count: jnp.ndarray      # int32[rows]: 0 for the padding rows
     prompt: jnp.ndarray          # int32[rows]: prompt tokens (the last one is always computed)
@@ -157,7 +158,9 @@ def prefix_caches(workload, rows: int, lanes_kv: Sequence[Optional[tuple[int, in
     offsets = np.asarray(workload.hash_offsets, np.int64)
     counts = np.diff(offsets)
     distinct, dense = np.unique(workload.hash_ids, return_inverse=True)
-    total, max_units = len(dense), max(int(counts.max(initial=0)), 1)
+    # Tables sized to powers of two, as the request rows are, so that workloads of a like size share a compiled
+    # cluster: the stamp columns, log entries and window past the workload's own are never read.
+    total, max_units = len(dense), power_of_two_at_least(int(counts.max(initial=0)), 1)
     lanes = len(lanes_kv)
 
     def padded(values, fill):
@@ -167,11 +170,13 @@ def prefix_caches(workload, rows: int, lanes_kv: Sequence[Optional[tuple[int, in
 
     capacity = [0 if kv is None else capacity_units(workload, *kv) for kv in lanes_kv]
     return PrefixCaches(
-        unit_ids=jnp.asarray(np.concatenate([dense, np.zeros(max_units, np.int64)]), i32),
+        unit_ids=jnp.asarray(np.concatenate([dense, np.zeros(power_of_two_at_least(total, 16) + max_units - total,
+                                                             np.int64)]), i32),
         unit_start=padded(offsets[:-1], total), unit_count=padded(counts, 0),
         prompt=padded(workload.prompt_tokens, 1), unit_tokens=jnp.asarray(workload.hash_block_tokens, i32),
         capacity=jnp.asarray(capacity, i32), enabled=jnp.asarray([kv is not None for kv in lanes_kv]),
-        stamp=jnp.zeros((lanes, max(len(distinct), 1)), i32), log=jnp.zeros((lanes, max(total, 1)), i32),
+        stamp=jnp.zeros((lanes, power_of_two_at_least(len(distinct), 16)), i32),
+        log=jnp.zeros((lanes, power_of_two_at_least(total, 16)), i32),
         head=jnp.zeros(lanes, i32), size=jnp.zeros(lanes, i32), count=jnp.zeros(lanes, i32),
         cached_tokens=jnp.zeros((lanes, rows), i32), hit_units=jnp.zeros(lanes, i32),
         looked_up_units=jnp.zeros(lanes, i32), max_units=max_units,

@@ -68,13 +68,13 @@ MIN_REQUEST_ROWS = 64
 MIN_TENANT_ROWS = 4
 
 
-def _power_of_two_at_least(count: int, least: int) -> int:
+def power_of_two_at_least(count: int, least: int) -> int:
     return max(least, 1 << max(0, math.ceil(math.log2(max(count, 1)))))
 
 
 def request_rows(num_requests: int) -> int:
     """The request-axis length a workload of `num_requests` runs with."""
-    return _power_of_two_at_least(num_requests, MIN_REQUEST_ROWS)
+    return power_of_two_at_least(num_requests, MIN_REQUEST_ROWS)
 
 
 def padded_trace(trace: engine.Trace, rows: int) -> engine.Trace:
@@ -116,7 +116,7 @@ def concurrency_bound(config: Config, workload: Workload) -> int:
 def num_slots_for(schedulers: Sequence[SchedulerConfig]) -> int:
     """The most slots any config could fill: a power of two covering every config's concurrency."""
     need = max(s.batch_size if s.policy == "static" else s.max_num_seqs for s in schedulers)
-    return _power_of_two_at_least(need, 1)
+    return power_of_two_at_least(need, 1)
 
 
 # Most runs never hold more than a few dozen requests at once, and the engine's cost per iteration grows
@@ -185,7 +185,7 @@ def queue_shape_for(workload: Workload, scored: bool, num_slots: int, pool_size:
     # No queue holds more than the workload's rows, and the front takes num_slots entries from the pool.
     pool_size = max(min(pool_size, request_rows(workload.num_requests)), num_slots)
     return engine.QueueShape(pool_size=pool_size,
-                             num_tenants=_power_of_two_at_least(len(workload.tenant_names), MIN_TENANT_ROWS))
+                             num_tenants=power_of_two_at_least(len(workload.tenant_names), MIN_TENANT_ROWS))
 
 
 def _grown(sizes: tuple[int, int], states: list, schedulers, workload: Workload) -> Optional[tuple[int, int]]:
@@ -296,7 +296,7 @@ def _stack(params: Sequence[engine.EngineParams]) -> engine.EngineParams:
 def _batch_lanes(count: int) -> int:
     """How many lanes a batch of `count` runs takes (the last run fills the rest): a power of two up to 8,
     then a multiple of 8 -- few sizes to compile, and never more than seven lanes of a large batch idle."""
-    return _power_of_two_at_least(count, 1) if count <= 8 else -(-count // 8) * 8
+    return power_of_two_at_least(count, 1) if count <= 8 else -(-count // 8) * 8
 
 
 def _run_growing(workload: Workload, trace, params: list, cost_fn, schedulers, scored: bool,
