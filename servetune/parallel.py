@@ -63,10 +63,12 @@ def across_cores(batched_fn: Callable, batched: Sequence[bool]) -> Callable:
 
 
 def laid_out(tree, size: int):
-    """`tree`'s arrays (leading axis `size`) split across the devices, as `across_cores` leaves a batch they
-    divide, so that a jitted step fed its own outputs sees one input layout from the first call on (a new
-    layout is a recompile). Other batches are left as they are: at most one recompile follows."""
+    """`tree`'s arrays (leading axis `size`) laid out across the devices as `across_cores` leaves a batch of
+    that size, so that a jitted step fed its own outputs sees one input layout from the first call on (a new
+    layout is a recompile): split when the device count divides the batch, else whole on every device (the
+    padded rows are cut off after the split). A batch smaller than the device count is left as it is."""
     devices = len(jax.local_devices())
-    if devices == 1 or size % devices:
+    if devices == 1 or size < devices:
         return tree
-    return jax.device_put(tree, NamedSharding(_mesh(), PartitionSpec(_AXIS)))
+    spec = PartitionSpec() if size % devices else PartitionSpec(_AXIS)
+    return jax.device_put(tree, NamedSharding(_mesh(), spec))
