@@ -72,3 +72,12 @@ def laid_out(tree, size: int):
         return tree
     spec = PartitionSpec() if size % devices else PartitionSpec(_AXIS)
     return jax.device_put(tree, NamedSharding(_mesh(), spec))
+
+
+def on_every_device(tree):
+    """`tree` whole on every local device; inside ``jit``, the layout of its outputs. A jitted program whose state
+    goes in and comes out this way, whatever `across_cores` splits inside it, sees one input layout from the first
+    call on, so it compiles once (an RL update fed its own state, a state restored from a checkpoint)."""
+    if len(jax.local_devices()) == 1:
+        return tree
+    return jax.device_put(tree, NamedSharding(_mesh(), PartitionSpec()))

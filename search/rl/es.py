@@ -154,11 +154,20 @@ def make_es(env: EsEnv, rl: RlConfig) -> EsTrainer:
         # Whole episodes split across the cores: the rows are independent, so the halves never meet mid-day.
         return across_cores(lambda t, v: play_rows(t, v, obs_mean, obs_var), (True, True))(thetas, variants)
 
+    play_jit = jax.jit(play)
+
     def init(key) -> EsState:
-        all_days = jnp.arange(env.num_days, dtype=jnp.int32)
-        static = jnp.broadcast_to(theta0, (env.num_days, theta0.shape[0]))
-        # The first policy ignores its observations (zero output weights), so any statistics do here.
-        totals, obs, live = jax.jit(play)(static, all_days, jnp.zeros(env.obs_size, f32), jnp.ones(env.obs_size, f32))
+        # Every day played by the first policy, in batches of a generation's rows (the last padded with day 0 and
+        # cut off), so that init and the generations share one compiled play. The first policy ignores its
+        # observations (zero output weights), so any statistics do here.
+        rows = candidates * days
+        chunks = -(-env.num_days // rows)
+        all_days = np.zeros(chunks * rows, np.int32)
+        all_days[:env.num_days] = np.arange(env.num_days)
+        played = [play_jit(np.broadcast_to(np.asarray(theta0), (rows, theta0.shape[0])), part,
+                           np.zeros(env.obs_size, np.float32), np.ones(env.obs_size, np.float32))
+                  for part in all_days.reshape(chunks, rows)]
+        totals, obs, live = (jnp.concatenate(parts)[:env.num_days] for parts in zip(*played))
         weights = live.astype(f32)[..., None]
         count = jnp.maximum(jnp.sum(weights), 1.0)
         mean = jnp.sum(obs * weights, axis=(0, 1)) / count
@@ -205,8 +214,6 @@ def make_es(env: EsEnv, rl: RlConfig) -> EsTrainer:
         new = replace(state, theta=optax.apply_updates(state.theta, updates), opt_state=opt_state,
                       key=proposal.key, generation=state.generation + 1)
         return new, metrics
-
-    play_jit = jax.jit(play)
 
     def staged(propose_fn, play_fn, learn_fn):
         def generation(state: EsState):

@@ -38,6 +38,7 @@ import optax
 
 from servetune.config import RlConfig
 from servetune.envs.gym.core import autoreset_step
+from servetune.parallel import on_every_device
 from servetune.pytree import pytree_dataclass, replace
 from servetune.search.rl import policy_net as net
 
@@ -194,13 +195,13 @@ def make_train(env: EnvSpec, rl: RlConfig) -> Trainer:
     params, initial_action, updates = env.params, env.initial_action, jnp.asarray(num_updates, jnp.int32)
 
     def compile_update(state: TrainState) -> Callable:
-        compiled = programs.update.lower(state, params, updates).compile()
-        return lambda state: compiled(state, params, updates)
+        compiled = programs.update.lower(on_every_device(state), params, updates).compile()
+        return lambda state: compiled(on_every_device(state), params, updates)
 
     return Trainer(init=lambda key: programs.init(key, params, initial_action),
-                   update=lambda state: programs.update(state, params, updates),
+                   update=lambda state: programs.update(on_every_device(state), params, updates),
                    compile=compile_update,
-                   rollout=lambda state: programs.rollout(state, params),
+                   rollout=lambda state: programs.rollout(on_every_device(state), params),
                    num_updates=num_updates, steps_per_update=batch)
 
 
@@ -328,4 +329,12 @@ def _programs(env: EnvFunctions, rl: Hyperparameters) -> _Programs:
     def rollout(state: TrainState, params) -> TrainState:
         return jax.lax.scan(partial(env_step, params), state, None, num_steps)[0]
 
-    return _Programs(jax.jit(init), jax.jit(update), jax.jit(rollout))
+    # The state leaves each program whole on every device, as it enters the next (Trainer's calls put it so):
+    # the envs' step splits its batch across the cores, and a state left split would make the second update
+    # compile again.
+    def update_whole(state: TrainState, params, num_updates):
+        state, metrics = update(state, params, num_updates)
+        return on_every_device(state), metrics
+
+    return _Programs(jax.jit(lambda key, params, initial_action: on_every_device(init(key, params, initial_action))),
+                     jax.jit(update_whole), jax.jit(lambda state, params: on_every_device(rollout(state, params))))
