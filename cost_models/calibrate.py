@@ -33,10 +33,11 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +52,7 @@ from servetune.cost_models.roofline import (ELEMENTWISE_KERNELS_PER_LAYER, HOST_
                                             kernel_time_s, layer_elementwise_elements_per_token,
                                             layer_matmul_shapes, step_costs, step_time_s)
 from servetune.errors import UserError
+from servetune.pytree import pytree_dataclass, static_field
 from servetune.types import StepBatch
 
 MS = 1e-3
@@ -275,34 +277,39 @@ def load_distserve_steps(path: Path, gpu: GpuSpec) -> list[Dataset]:
 
 def predict(dataset: Dataset, calibration: Calibration, gpu: GpuSpec) -> jnp.ndarray:
     """The model's time (s) for every row of ``dataset``."""
-    c, f = calibration, dataset.features
+    return _predict_kind(dataset.kind, dataset.features, calibration, gpu)
+
+
+def _predict_kind(kind: str, features: dict, calibration: Calibration, gpu: GpuSpec) -> jnp.ndarray:
+    """``predict`` on a data set's parts: traceable with the features as arguments and the kind static."""
+    c, f = calibration, features
     peak, bandwidth, link = gpu.peak_flops_per_s, gpu.memory_bytes_per_s, gpu.interconnect_bytes_per_s / 2
-    if dataset.kind == "matmul":
+    if kind == "matmul":
         return c.kernel_overhead_s + kernel_time_s(f["flops"], f["bytes"], peak, bandwidth, c.matmul_compute_efficiency,
                                                    c.matmul_memory_efficiency, c.roofline_sharpness)
-    if dataset.kind == "attention":   # as roofline.step_costs weighs the causal block's pairs
+    if kind == "attention":   # as roofline.step_costs weighs the causal block's pairs
         flops = f["flops"] + (c.attention_causal_pair_ratio - 1.0) * f["causal_flops"]
         return c.attention_overhead_s + kernel_time_s(flops, f["bytes"], peak, bandwidth,
                                                       c.attention_compute_efficiency, c.attention_memory_efficiency,
                                                    c.roofline_sharpness)
-    if dataset.kind == "elementwise":
+    if kind == "elementwise":
         return (ELEMENTWISE_KERNELS_PER_LAYER * c.kernel_overhead_s
                 + f["bytes"] / (bandwidth * c.elementwise_memory_efficiency))
-    if dataset.kind == "allreduce":   # roofline.allreduce_time_s, from the bytes each GPU sends
+    if kind == "allreduce":   # roofline.allreduce_time_s, from the bytes each GPU sends
         return (c.allreduce_base_latency_s + f["ring_steps"] * c.allreduce_latency_s
                 + f["bytes"] / (link * c.allreduce_efficiency))
-    if dataset.kind == "host":   # one phase, or (no "phase") all four: Vidur's decode batches sample every request
+    if kind == "host":   # one phase, or (no "phase") all four: Vidur's decode batches sample every request
         phases = [f["phase"]] if "phase" in f else HOST_PHASES
         return sum(host_phase_time_s(c, phase, f["seqs"], f["seqs"], f.get("multi_gpu", 0.0)) for phase in phases)
-    if dataset.kind in ("step", "gpu_step", "layer_step"):
+    if kind in ("step", "gpu_step", "layer_step"):
         params = dataclasses.replace(f["params"], calibration=c)
         batch = jax.tree_util.tree_map(jnp.asarray, f["batch"])
-        if dataset.kind == "step":
+        if kind == "step":
             return step_time_s(params, batch)
         time = step_costs(params, batch).gpu_s
         # layer_step: the layers' operators without the attention kernel (none was measured)
-        return time - params.num_layers * c.attention_overhead_s if dataset.kind == "layer_step" else time
-    raise ValueError(f"unknown data set kind {dataset.kind}")
+        return time - params.num_layers * c.attention_overhead_s if kind == "layer_step" else time
+    raise ValueError(f"unknown data set kind {kind}")
 
 
 def to_calibration(theta: jnp.ndarray, names: tuple[str, ...], base: Optional[Calibration] = None) -> Calibration:
@@ -334,6 +341,89 @@ def from_calibration(calibration: Calibration, names: tuple[str, ...]) -> np.nda
     return np.array(theta)
 
 
+# ---------------------------------------------------------------------------------------------- compiled forms
+
+
+# The fewest rows a compiled loss or prediction takes. A program costs seconds to compile (the loss's gradient
+# through the whole step model, in float64) and microseconds a row to run, so small data sets and their folds
+# share the program of this size rather than compiling one of their own.
+MIN_PADDED_ROWS = 256
+
+
+def padded_size(rows: int) -> int:
+    """The row count a data set of ``rows`` rows is padded to: the next power of two (``MIN_PADDED_ROWS`` at
+    least), so that the subsets a calibration fits and predicts (cross-validation folds, the rows with a
+    measurement) share a handful of compiled programs instead of compiling one per row count."""
+    return max(MIN_PADDED_ROWS, 1 << max(rows - 1, 0).bit_length())
+
+
+@pytree_dataclass
+class PaddedRows:
+    """A data set as the compiled loss and predictions take it: its row arrays are arguments, padded to
+    ``padded_size`` by repeating the first row (so every padding prediction is finite) and masked by ``real``;
+    its kind, feature tree and non-numeric features (a host phase's name) are static, part of the program."""
+
+    measured_s: np.ndarray
+    real: np.ndarray            # True on the data set's rows, False on padding
+    numbers: tuple              # the features' numeric leaves in tree order, row arrays padded
+    kind: str = static_field()
+    layout: Any = static_field()    # the features' tree structure
+    labels: tuple = static_field()  # (leaf position, value) of each non-numeric leaf
+
+    @classmethod
+    def of(cls, dataset: Dataset) -> "PaddedRows":
+        rows = len(dataset.measured_s)
+        take = np.concatenate([np.arange(rows), np.zeros(padded_size(rows) - rows, int)])
+        leaves, layout = jax.tree_util.tree_flatten(dataset.features)
+        numbers, labels = [], []
+        for position, leaf in enumerate(leaves):
+            if isinstance(leaf, str):
+                labels.append((position, leaf))
+            else:
+                numbers.append(np.asarray(leaf)[take] if np.shape(leaf) == (rows,) else leaf)
+        return cls(measured_s=np.asarray(dataset.measured_s)[take], real=np.arange(len(take)) < rows,
+                   numbers=tuple(numbers), kind=dataset.kind, layout=layout, labels=tuple(labels))
+
+    def features(self) -> dict:
+        numbers, labels = iter(self.numbers), dict(self.labels)
+        leaves = [labels[position] if position in labels else next(numbers)
+                  for position in range(self.layout.num_leaves)]
+        return jax.tree_util.tree_unflatten(self.layout, leaves)
+
+    def predict(self, calibration: Calibration, gpu: GpuSpec) -> jnp.ndarray:
+        return _predict_kind(self.kind, self.features(), calibration, gpu)
+
+
+@functools.partial(jax.jit, static_argnames="gpu")
+def _predict_padded(rows: PaddedRows, calibration: Calibration, gpu: GpuSpec) -> jnp.ndarray:
+    return rows.predict(calibration, gpu)
+
+
+def predicted_times(dataset: Dataset, calibration: Calibration, gpu: GpuSpec) -> np.ndarray:
+    """``predict`` as a NumPy array, from one compiled program per kind, feature layout and padded size: for
+    the many subsets of one data set a calibration predicts (each fold's held-out rows, each candidate's fit)."""
+    rows = len(dataset.measured_s)
+    if rows == 0:
+        return np.zeros(0)
+    return np.asarray(_predict_padded(PaddedRows.of(dataset), calibration, gpu))[:rows]
+
+
+def _mean_squared_log_error(theta: jnp.ndarray, base: Calibration, rows: tuple[PaddedRows, ...],
+                            weights: tuple[float, ...], names: tuple[str, ...], gpu: GpuSpec) -> jnp.ndarray:
+    """The fit's loss: each data set's mean squared log error over its real rows, weighted."""
+    calibration = to_calibration(theta, names, base)
+    errors = []
+    for padded, weight in zip(rows, weights):
+        squared = (jnp.log(padded.predict(calibration, gpu)) - jnp.log(padded.measured_s)) ** 2
+        errors.append(weight * jnp.sum(jnp.where(padded.real, squared, 0.0)) / jnp.sum(padded.real))
+    return sum(errors) / sum(weights)
+
+
+# One program per (fitted names, GPU, weights, data sets' kinds, layouts and padded sizes): the fits at every
+# token tile, split-KV threshold and cross-validation fold reuse it.
+_loss_and_gradient = jax.jit(jax.value_and_grad(_mean_squared_log_error), static_argnames=("weights", "names", "gpu"))
+
+
 def fit(datasets: list[Dataset], gpu: GpuSpec, initial: Calibration = Calibration(),
         names: Optional[tuple[str, ...]] = None) -> Calibration:
     """The calibration minimising the mean (over data sets) of each set's mean squared log error.
@@ -361,26 +451,21 @@ def fit_with_status(datasets: list[Dataset], gpu: GpuSpec, initial: Calibration 
 def fit_from_starts(datasets: list[Dataset], gpu: GpuSpec, starts: Sequence[Calibration],
                     names: Optional[tuple[str, ...]] = None) -> list[tuple[Calibration, FitStatus]]:
     """``fit_with_status`` from each of ``starts`` (which may differ in fields no gradient moves, such as the
-    token tile), on one compiled loss."""
+    token tile), on one compiled loss (shared with every fit whose data sets pad alike)."""
     all_names = tuple(f.name for f in dataclasses.fields(Calibration))
     names = tuple(name for name in all_names if name not in NOT_BY_GRADIENT) if names is None else tuple(names)
     usable = [d.subset(d.measured_s > 0) for d in datasets if np.any(d.measured_s > 0)]
     if not usable:
         raise UserError("no measured times to calibrate on")
+    rows = tuple(PaddedRows.of(d) for d in usable)
+    weights = tuple(float(d.weight) for d in usable)
     results = []
     with jax.enable_x64(True):
-        def loss(theta, base):
-            calibration = to_calibration(theta, names, base)
-            errors = [d.weight * jnp.mean((jnp.log(predict(d, calibration, gpu)) - jnp.log(d.measured_s)) ** 2)
-                      for d in usable]
-            return sum(errors) / sum(d.weight for d in usable)
-
-        value_and_grad = jax.jit(jax.value_and_grad(loss))
         for initial in starts:
             base = Calibration(**{name: jnp.float64(float(getattr(initial, name))) for name in all_names})
 
             def objective(theta):
-                value, grad = value_and_grad(jnp.asarray(theta), base)
+                value, grad = _loss_and_gradient(jnp.asarray(theta), base, rows, weights, names, gpu)
                 return float(value), np.asarray(grad, dtype=np.float64)
 
             result = scipy.optimize.minimize(objective, from_calibration(initial, names), jac=True,
@@ -420,7 +505,7 @@ def held_out_predictions(datasets: list[Dataset], gpu: GpuSpec, folds: int, seed
         for i, (d, a) in enumerate(zip(datasets, assignment)):
             held = a == k
             if held.any():
-                predictions[i][held] = np.asarray(predict(d.subset(held), calibration, gpu))
+                predictions[i][held] = predicted_times(d.subset(held), calibration, gpu)
     return predictions, fitted
 
 
@@ -567,7 +652,7 @@ def calibrate(operator_dirs: list[Path], attention_csv: Optional[Path], allreduc
     default = Calibration().as_float32()
     report = {"folds": folds, "step_tp": step_tp, "datasets": {}}
     for d, calibrated_prediction in zip(datasets, held_out):
-        default_prediction = np.asarray(predict(d, default, gpu))
+        default_prediction = predicted_times(d, default, gpu)
         report["datasets"][d.name] = {"calibrated": error_summary(d.measured_s, calibrated_prediction),
                                       "uncalibrated": error_summary(d.measured_s, default_prediction)}
     return CalibrationResult(calibration=calibration, report=report)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,8 +43,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from servetune.cost_models.calibrate import (Dataset, FitStatus, error_summary, fit_from_starts, fold_of,
-                                             from_calibration, predict, to_calibration)
+from servetune.cost_models.calibrate import (Dataset, FitStatus, PaddedRows, error_summary, fit_from_starts,
+                                             fold_of, from_calibration, predicted_times, to_calibration)
 from servetune.cost_models.gpus import GpuSpec
 from servetune.cost_models.models import ModelSpec
 from servetune.cost_models.roofline import Calibration, build_roofline_params, split_kv_decode
@@ -243,12 +244,16 @@ def sensitivities(dataset: Dataset, gpu: GpuSpec, initial: Calibration,
     all_names = tuple(f.name for f in dataclasses.fields(Calibration))
     with jax.enable_x64(True):
         base = Calibration(**{name: jnp.float64(float(getattr(initial, name))) for name in all_names})
-
-        def log_times(theta):
-            return jnp.log(predict(dataset, to_calibration(theta, names, base), gpu))
-
         theta = jnp.asarray(from_calibration(initial, names))
-        return np.asarray(jax.jacfwd(log_times)(theta), dtype=np.float64)
+        jacobian = _log_time_jacobian(theta, base, PaddedRows.of(dataset), tuple(names), gpu)
+        return np.asarray(jacobian, dtype=np.float64)[:len(dataset.measured_s)]
+
+
+@functools.partial(jax.jit, static_argnames=("names", "gpu"))
+def _log_time_jacobian(theta: jnp.ndarray, base: Calibration, rows: PaddedRows, names: tuple[str, ...],
+                       gpu: GpuSpec) -> jnp.ndarray:
+    """``sensitivities`` on padded rows: one program for every token tile and split-KV threshold."""
+    return jax.jacfwd(lambda theta: jnp.log(rows.predict(to_calibration(theta, names, base), gpu)))(theta)
 
 
 def identifiable_parameters(dataset: Dataset, gpu: GpuSpec, initial: Calibration) -> tuple[list[str], dict[str, str]]:
@@ -320,7 +325,7 @@ def fit_token_tile(dataset: Dataset, gpu: GpuSpec, initial: Calibration,
         tiles = [tile for tile, tile_names in names_by_tile.items() if tuple(tile_names) == names]
         starts = [dataclasses.replace(initial, matmul_token_tile=jnp.float32(tile)) for tile in tiles]
         fits.update(zip(tiles, fit_from_starts([dataset], gpu, starts, names)))
-    mape = {tile: error_summary(dataset.measured_s, np.asarray(predict(dataset, calibration, gpu)))["mape_pct"]
+    mape = {tile: error_summary(dataset.measured_s, predicted_times(dataset, calibration, gpu))["mape_pct"]
             if np.isfinite(status.loss) else math.nan for tile, (calibration, status) in fits.items()}
     candidates = [tile for tile in names_by_tile if fits[tile][1].converged] or list(names_by_tile)
     best = min(candidates, key=lambda tile: (math.inf if math.isnan(mape[tile]) else mape[tile], tile))
@@ -364,7 +369,7 @@ def fit_split_kv(dataset: Dataset, gpu: GpuSpec, start: Calibration, at_start: t
             continue
         trial = dataclasses.replace(start, split_kv_max_work=jnp.float32(threshold))
         fits[threshold] = fit_from_starts([dataset], gpu, [trial], names_at(threshold))[0]
-    mape = {threshold: error_summary(dataset.measured_s, np.asarray(predict(dataset, calibration, gpu)))["mape_pct"]
+    mape = {threshold: error_summary(dataset.measured_s, predicted_times(dataset, calibration, gpu))["mape_pct"]
             if np.isfinite(status.loss) else math.nan for threshold, (calibration, status) in fits.items()}
     candidates = [threshold for threshold in thresholds if fits[threshold][1].converged] or list(thresholds)
     best = min(candidates, key=lambda threshold: (math.inf if math.isnan(mape[threshold]) else mape[threshold],
@@ -441,10 +446,10 @@ def calibrate_dataset(dataset: Dataset, kinds: np.ndarray, gpu: GpuSpec, initial
         fold_thresholds.append(float(fold_calibration.split_kv_max_work))
         converged = converged and fold_status.converged
         held = assignment == k
-        held_out[held] = np.asarray(predict(dataset.subset(held), fold_calibration, gpu))
-    predictions = {"fit": np.asarray(predict(dataset, calibration, gpu)), "held_out": held_out,
-                   "uncalibrated": np.asarray(predict(dataset, Calibration().as_float32(), gpu)),
-                   "initial": np.asarray(predict(dataset, initial.as_float32(), gpu))}
+        held_out[held] = predicted_times(dataset.subset(held), fold_calibration, gpu)
+    predictions = {"fit": predicted_times(dataset, calibration, gpu), "held_out": held_out,
+                   "uncalibrated": predicted_times(dataset, Calibration().as_float32(), gpu),
+                   "initial": predicted_times(dataset, initial.as_float32(), gpu)}
     report = {"folds": folds, "fold_by": "step shape (prefill_tokens, decode_requests)",
               "fitted": list(names), "left_out": left_out, "converged": converged,
               "matmul_token_tile": int(calibration.matmul_token_tile),
