@@ -332,6 +332,10 @@ def fit_token_tile(dataset: Dataset, gpu: GpuSpec, initial: Calibration,
     return (*fits[best], {tile: mape[tile] for tile in names_by_tile})
 
 
+# On padded rows, so that every fold's candidates (drawn from its own training rows) share one program.
+_split_kv_decode = jax.jit(split_kv_decode)
+
+
 def split_kv_candidates(dataset: Dataset, initial: Calibration) -> list[float]:
     """The split-KV thresholds worth fitting on ``dataset`` (see ``MAX_SPLIT_KV_CANDIDATES``), ``initial``'s
     first: one for each distinct way of splitting the decode rows between the two kernels."""
@@ -343,11 +347,13 @@ def split_kv_candidates(dataset: Dataset, initial: Calibration) -> list[float]:
     if len(midpoints) > MAX_SPLIT_KV_CANDIDATES:
         midpoints = midpoints[np.unique(np.round(np.linspace(0, len(midpoints) - 1, MAX_SPLIT_KV_CANDIDATES)))
                               .astype(int)]
+    padded = PaddedRows.of(dataset).features()
+    padded_heads, padded_batch = padded["params"].attention_query_heads, padded["batch"]
     candidates, seen = [], []
     for threshold in [float(initial.split_kv_max_work), 0.0, *np.floor(midpoints).tolist()]:
         trial = dataclasses.replace(initial, split_kv_max_work=jnp.float32(threshold))
-        split = np.asarray(split_kv_decode(trial, params.attention_query_heads, batch.num_decode_seqs,
-                                           batch.decode_context_tokens))
+        split = np.asarray(_split_kv_decode(trial, padded_heads, padded_batch.num_decode_seqs,
+                                            padded_batch.decode_context_tokens))[:len(dataset.measured_s)]
         if not any(np.array_equal(split, earlier) for earlier in seen):
             seen.append(split)
             candidates.append(threshold)
