@@ -123,7 +123,7 @@ def distserve_on_half(shared: Path, profiles: dict[str, Calibration]) -> list[st
                 rows = tp == degree
                 result = calibrate_dataset(steps.subset(rows), kinds[rows], gpu, profiles["a100"], folds=2,
                                            label=f"{steps.name} TP {degree:.0f}",
-                                           split_kv_thresholds=FROM_ROWS if engine == "vllm" else ())
+                                           split_kv_thresholds=FROM_ROWS if engine == "vllm" else None)
                 held_out[rows] = result.held_out_s
                 tiles.append(str(result.report["matmul_token_tile"]))
                 split_kv.append(f"{result.report['split_kv_max_work'] / heads[degree]:.0f}")

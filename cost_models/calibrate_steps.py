@@ -392,6 +392,9 @@ def calibrate_dataset(dataset: Dataset, kinds: np.ndarray, gpu: GpuSpec, initial
     given by ``kinds``; ``label`` starts the error messages. The parameters fitted at each token tile and
     split-KV threshold are ``names``, or those the rows identify there (the step shapes decide, not the
     measured times). The tile is chosen first (at ``initial``'s threshold), then the threshold at that tile."""
+    if split_kv_thresholds is not None and not isinstance(split_kv_thresholds, str) and not len(split_kv_thresholds):
+        raise ValueError("split_kv_thresholds: got no thresholds, expected at least one, FROM_ROWS, or None "
+                         "(the starting profile's)")
     search_split_kv = split_kv_thresholds == FROM_ROWS or (split_kv_thresholds is None
                                                            and float(initial.split_kv_max_work) > 0)
     if split_kv_thresholds is None or split_kv_thresholds == FROM_ROWS:

@@ -65,6 +65,17 @@ def test_held_out_rows_of_exact_data_are_predicted_exactly():
         assert cal.error_summary(d.measured_s, predicted)["mape_pct"] < 1.0, d.name
 
 
+def test_folds_of_different_sizes_fit_on_one_compiled_loss():
+    # Rows are arguments of the loss, padded to a power of two: cross-validation's folds (each its own row count)
+    # must not compile a loss each, which made a calibration spend most of its time compiling.
+    datasets = synthetic_datasets(TRUE)
+    cal.fit(datasets, A100)
+    compiled = cal._loss_and_gradient._cache_size()
+    predictions, _ = cal.held_out_predictions(datasets, A100, folds=4)
+    assert cal._loss_and_gradient._cache_size() == compiled
+    assert all(np.all(np.isfinite(p)) for p in predictions)
+
+
 def test_folds_hold_every_row_of_a_token_count_out_together():
     datasets = [cal.Dataset("a", "host", np.ones(6), np.array([1, 1, 2, 3, 3, 3]), {"seqs": np.ones(6)}),
                 cal.Dataset("b", "host", np.ones(3), np.array([3, 2, 9]), {"seqs": np.ones(3)})]
