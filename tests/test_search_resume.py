@@ -18,7 +18,7 @@ from servetune.search.evaluate import use_persistent_compilation_cache
 from servetune.search.study.storage import open_storage
 from servetune.search.study.workers import RERUN_ATTR, WORKER_ATTR, ask_claimed
 
-TRIALS = 20   # past TPE's 10 random start-up trials, so the resumed worker also proposes with TPE proper
+TRIALS = 14   # past TPE's 10 random start-up trials, so the resumed worker also proposes with TPE proper
 KILL_AFTER_COMPLETE = 6
 WORKER_TIMEOUT_S = 240
 
