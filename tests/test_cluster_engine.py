@@ -24,7 +24,6 @@ from test_queueing import ONE_SEAT, STEP_S, assert_matches_theory, single_tokens
 from servetune.config import ClusterConfig
 from servetune.cost_models.linear import step_time_s
 from servetune.envs.sim import cluster_simulator
-from servetune.envs.sim.cluster import router_draws
 from servetune.envs.sim.cluster_reference import simulate_cluster_reference
 from servetune.envs.sim.cluster_simulator import simulate_cluster
 from servetune.envs.sim.outcome import COMPLETED, NOT_ROUTED, REJECT_TENANT_RATE, REJECTED
@@ -115,11 +114,10 @@ def test_one_replica_in_lock_step_is_the_single_engine_bit_for_bit():
     for case in draw_group(20_200)[:4]:
         single = simulate_workload(case.workload, case.scheduler, step_time_s, case.cost, case.horizon_s)
         config = cluster("least_outstanding", 1)
-        draws = router_draws(case.workload.num_requests, 1, 0)
         refused = np.zeros(case.workload.num_requests, bool)
         group = cluster_simulator.EngineGroup(1, case.scheduler, step_time_s, case.cost)
-        _, (one,) = cluster_simulator._lockstep_run(case.workload, [group], config, case.horizon_s, None, refused,
-                                                    draws)
+        [(_, (one,))] = cluster_simulator._lockstep_runs(case.workload, [([group], config)], case.horizon_s, None,
+                                                         refused)
         for field in dataclasses.fields(single.requests):
             np.testing.assert_array_equal(getattr(one.requests, field.name), getattr(single.requests, field.name),
                                           err_msg=f"{field.name}: {case.describe()}")

@@ -3,13 +3,15 @@ each replica's outcomes out (``ClusterOutcome``, which ``cluster_reference`` ret
 
 The replicas are engine groups (``EngineGroup``: a count of replicas sharing one scheduler and cost model),
 numbered in group order: a cluster of identical replicas is one group (``simulate_cluster``), a mixed GPU pool
-several (``simulate_groups``).
+several (``simulate_groups``). ``simulate_clusters`` simulates many clusters over one workload, batched as the
+engine allows, each as it runs alone (what search uses to evaluate cluster trials in batches).
 
 A router that decides before the run (round_robin, random, prefix_affinity) splits the workload before the run,
-and each replica's share runs as a single engine of its group's (``simulate_seeds``, a group's replicas in one
-vmapped call). A router that reads the replicas' load routes as they run (``cluster.run_cluster``), every
-replica a lane with its group's engine parameters and, with prefix caching, its own prefix cache, fed as the router
-sends it requests. One replica is the single engine, every request its own.
+and each replica's share runs as a single engine of its group's (``simulate_each``: the shares of every cluster
+of a batch in few vmapped calls). A router that reads the replicas' load routes as they run
+(``cluster.run_cluster``), every replica a lane with its group's engine parameters and, with prefix caching, its
+own prefix cache, fed as the router sends it requests; clusters of one replica count are lanes of one call, each
+with its own router. One replica is the single engine, every request its own.
 """
 from __future__ import annotations
 
@@ -27,8 +29,8 @@ from servetune.envs.sim.outcome import (
     NOT_ARRIVED, NOT_ROUTED, ClusterOutcome, idle_outcome, in_workload_order, merged_outcome, routable,
 )
 from servetune.envs.sim.simulator import (
-    INITIAL_POOL, POOL_GROWTH, device_trace, engine_params, is_scored, iteration_guard, outcome_from_state,
-    padded_trace, queue_shape_for, request_rows, simulate_seeds, simulate_workload, slot_schedule,
+    INITIAL_POOL, POOL_GROWTH, batch_lanes, device_trace, engine_params, is_scored, iteration_guard,
+    outcome_from_state, padded_trace, queue_shape_for, request_rows, simulate_each, simulate_workload, slot_schedule,
 )
 from servetune.envs.workload.requests import Workload, take_rows
 
@@ -85,73 +87,163 @@ def _group_of_replica(groups: Sequence[EngineGroup]) -> np.ndarray:
     return np.repeat(np.arange(len(groups)), [group.count for group in groups])
 
 
-def _static_run(workload, groups, cluster, horizon_s, slos, refused, draws):
-    num_replicas = sum(group.count for group in groups)
-    replica = lockstep.static_assignment(cluster.router, num_replicas, routable(workload, horizon_s, refused),
-                                         draws, lockstep.affinity_keys(workload))
-    shares = [np.flatnonzero(replica == r) for r in range(num_replicas)]
-    outcomes = [idle_outcome(workload, _start_s(workload, horizon_s))] * num_replicas
-    group_of = _group_of_replica(groups)
-    for g, group in enumerate(groups):
-        # Each share is a lone engine of its group's: one vmapped call per group.
-        served = [r for r in np.flatnonzero(group_of == g) if len(shares[r])]
-        runs = simulate_seeds([take_rows(workload, shares[r], workload.arrival_s[shares[r]]) for r in served],
-                              group.scheduler, group.cost_fn, group.cost_params, horizon_s,
-                              None if slos is None else [slos[shares[r]] for r in served])
-        for r, run in zip(served, runs):
-            outcomes[r] = in_workload_order(workload, shares[r], run)
-    return replica, outcomes
+def _static_runs(workload, members, horizon_s, slos, refused):
+    """(replica, per-replica outcomes) of each (groups, cluster) in ``members``, whose routers decide before the
+    run. Each share is a lone engine of its group's; the shares of every member run in few vmapped calls, one
+    per step-time function, kind of queue, slot schedule and request-row count (a group's shares padded to its
+    longest one's, as that group alone pads them)."""
+    routed, calls = [], {}
+    for m, (groups, cluster) in enumerate(members):
+        num_replicas = sum(group.count for group in groups)
+        draws = lockstep.router_draws(workload.num_requests, num_replicas, cluster.seed)
+        replica = lockstep.static_assignment(cluster.router, num_replicas, routable(workload, horizon_s, refused),
+                                             draws, lockstep.affinity_keys(workload))
+        shares = [np.flatnonzero(replica == r) for r in range(num_replicas)]
+        routed.append((replica, shares, [idle_outcome(workload, _start_s(workload, horizon_s))] * num_replicas))
+        group_of = _group_of_replica(groups)
+        for g, group in enumerate(groups):
+            served = [r for r in np.flatnonzero(group_of == g) if len(shares[r])]
+            if not served:
+                continue
+            scheduler = group.scheduler
+            key = (group.cost_fn, is_scored(scheduler), bool(scheduler.window), tuple(slot_schedule([scheduler])),
+                   request_rows(max(len(shares[r]) for r in served)))
+            calls.setdefault(key, []).extend((m, r, group) for r in served)
+    for (cost_fn, *_), lanes in calls.items():
+        shares = [routed[m][1][r] for m, r, _ in lanes]
+        runs = simulate_each([take_rows(workload, ids, workload.arrival_s[ids]) for ids in shares],
+                             [group.scheduler for *_, group in lanes], cost_fn,
+                             [group.cost_params for *_, group in lanes], horizon_s,
+                             None if slos is None else [slos[ids] for ids in shares])
+        for (m, r, _), ids, run in zip(lanes, shares, runs):
+            routed[m][2][r] = in_workload_order(workload, ids, run)
+    return [(replica, outcomes) for replica, _, outcomes in routed]
 
 
-def _lockstep_run(workload, groups, cluster, horizon_s, slos, refused, draws):
+def _lockstep_key(groups: Sequence[EngineGroup], cluster: ClusterConfig) -> tuple:
+    """What clusters routed while they run must share to be stepped in one call: one compiled engine (replica
+    count, step-time functions, kind of queue, sliding window, prefix caches), one trace (predicted lengths)
+    and one table of router draws (the seed). Router kind, weights and signal delay, and every scheduler knob
+    the engine traces, may differ."""
     schedulers = [group.scheduler for group in groups]
-    num_replicas = sum(group.count for group in groups)
+    return (sum(group.count for group in groups), cluster.seed, tuple(dict.fromkeys(g.cost_fn for g in groups)),
+            is_scored(schedulers[0]), schedulers[0].length_prediction_noise,
+            frozenset(bool(s.window) for s in schedulers), any(s.enable_prefix_caching for s in schedulers))
+
+
+def _lockstep_runs(workload, members, horizon_s, slos, refused):
+    """(replica, per-replica outcomes) of each (groups, cluster) in ``members``, which share a `_lockstep_key`,
+    routed as their replicas run: every member's replicas lanes of one `run_cluster` call, the members padded
+    to few widths (`batch_lanes`) so that a study compiles few shapes."""
+    first_groups, first_cluster = members[0]
+    schedulers = [group.scheduler for groups, _ in members for group in groups]
+    num_replicas = sum(group.count for group in first_groups)
     rows = request_rows(workload.num_requests)
     # The loader keeps one predicted-length table for groups stepped together (one noise for all).
     trace = device_trace(workload, schedulers[0].length_prediction_noise, slos, refused)
     trace = padded_trace(trace, rows)
+    draws = lockstep.router_draws(workload.num_requests, num_replicas, first_cluster.seed)
     draws = jnp.asarray(np.concatenate([draws, np.zeros((rows - workload.num_requests, 2), np.int32)]))
-    cost_fn, cost_params = _lane_costs(groups)
-    per_group = [engine_params(group.scheduler, params, horizon_s, iteration_guard(workload))
-                 for group, params in zip(groups, cost_params)]
-    lane_group = jnp.asarray(_group_of_replica(groups))
-    params = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs)[lane_group], *per_group)
-    # Each replica's prefix cache (its group's KV capacity), filled as the router sends it requests.
-    prefix = lockstep.prefix_caches(workload, rows, [
-        (s.num_kv_blocks, s.block_size) if s.enable_prefix_caching else None
-        for s in (groups[g].scheduler for g in _group_of_replica(groups))])
-    router = jax.tree_util.tree_map(lambda x: x[None],
-                                    lockstep.router_params(cluster.router, cluster.router_weights,
-                                                           cluster.signal_delay_s))
+    guard = iteration_guard(workload)
+    lanes, routers, lanes_kv = [], [], []
+    for groups, cluster in members:
+        cost_fn, cost_params = _lane_costs(groups)
+        per_group = [engine_params(group.scheduler, params, horizon_s, guard)
+                     for group, params in zip(groups, cost_params)]
+        lanes.append([per_group[g] for g in _group_of_replica(groups)])
+        routers.append(lockstep.router_params(cluster.router, cluster.router_weights, cluster.signal_delay_s))
+        # Each replica's prefix cache (its group's KV capacity), filled as the router sends it requests.
+        lanes_kv.append([(s.num_kv_blocks, s.block_size) if s.enable_prefix_caching else None
+                         for s in (groups[g].scheduler for g in _group_of_replica(groups))])
     # One slot table for every lane: the largest any group could fill.
     sizes = slot_schedule(schedulers)
     num_slots, pool_size = sizes[0], INITIAL_POOL
-    scored = any(is_scored(s) for s in schedulers)
-    while True:
+    scored = is_scored(schedulers[0])
+    results: list = [None] * len(members)
+    pending = list(range(len(members)))
+    while pending:
+        batch = pending + [pending[-1]] * (batch_lanes(len(pending)) - len(pending))
+        params = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *(lane for m in batch for lane in lanes[m]))
+        router = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *(routers[m] for m in batch))
+        prefix = lockstep.prefix_caches(workload, rows, [kv for m in batch for kv in lanes_kv[m]])
         shape = queue_shape_for(workload, scored, num_slots, pool_size)
         state = jax.device_get(lockstep.run_cluster_jit(trace, draws, params, router, cost_fn, num_slots, shape,
                                                         num_replicas, prefix))
-        slots_full, pool_full = bool(np.any(state.replicas.slots_filled)), bool(np.any(state.replicas.pool_filled))
-        if not (slots_full or pool_full):
+        slots_full = np.asarray(state.replicas.slots_filled).reshape(len(batch), num_replicas).any(axis=1)
+        pool_full = np.asarray(state.replicas.pool_filled).reshape(len(batch), num_replicas).any(axis=1)
+        # A lane that outgrows its tables stops the whole call: the members it stopped unfinished run again,
+        # with the larger tables, beside those that outgrew theirs.
+        done = np.asarray(state.finished) & ~slots_full & ~pool_full
+        if not (slots_full.any() or pool_full.any()):
             lockstep.check_finished(state)
-            break
-        if slots_full:
+        for b, m in enumerate(pending):
+            if done[b]:
+                results[m] = _member_outcomes(workload, state, b, num_replicas, horizon_s)
+        pending = [m for b, m in enumerate(pending) if not done[b]]
+        if slots_full.any():
             num_slots = next(size for size in sizes if size > num_slots)
-        if pool_full:
+        if pool_full.any():
             pool_size = min(rows, pool_size * POOL_GROWTH)
-    replica = np.asarray(state.replica_of[0, :workload.num_requests], np.int64)
+    return results
+
+
+def _member_outcomes(workload, state: lockstep.ClusterState, b: int, num_replicas: int, horizon_s):
+    """(replica, per-replica outcomes) of the ``b``-th member of a batch's state, on the host."""
+    replica = np.asarray(state.replica_of[b, :workload.num_requests], np.int64)
     outcomes = []
     for r in range(num_replicas):
         ids = np.flatnonzero(replica == r)
-        lane = jax.tree_util.tree_map(lambda x: x[r], state.replicas)
+        lane_index = b * num_replicas + r
+        lane = jax.tree_util.tree_map(lambda x: x[lane_index], state.replicas)
         share = take_rows(workload, ids, workload.arrival_s[ids])
         outcome = outcome_from_state(share, lane, horizon_s)
         if state.prefix is not None:   # a replica that does not cache has looked nothing up
             outcome = dataclasses.replace(outcome, totals=dataclasses.replace(
-                outcome.totals, prefix_hit_units=int(state.prefix.hit_units[r]),
-                prefix_looked_up_units=int(state.prefix.looked_up_units[r])))
+                outcome.totals, prefix_hit_units=int(state.prefix.hit_units[lane_index]),
+                prefix_looked_up_units=int(state.prefix.looked_up_units[lane_index])))
         outcomes.append(in_workload_order(workload, ids, outcome))
     return replica, outcomes
+
+
+def simulate_clusters(workload: Workload, groups: Sequence[Sequence[EngineGroup]],
+                      clusters: Sequence[ClusterConfig], horizon_s: Optional[float] = None,
+                      ttft_slo_ms: Optional[np.ndarray] = None, rate_limited: Optional[np.ndarray] = None,
+                      while_running: bool = False) -> list[ClusterOutcome]:
+    """Simulate many clusters over one workload, cluster ``i`` the replicas of ``groups[i]`` behind
+    ``clusters[i].router`` (arguments otherwise as simulate_groups takes them), each outcome what
+    simulate_groups gives that cluster alone. Clusters routed as they run that share a replica count, router
+    seed, step-time functions and kind of queue are stepped together in one call (`_lockstep_key`); the shares
+    of every cluster routed before the run run in few vmapped calls (`_static_runs`). A cluster of one replica
+    is the single engine, alone."""
+    if len(groups) != len(clusters):
+        raise ValueError("simulate_clusters needs one list of engine groups per cluster")
+    if workload.closed_loop:
+        raise ValueError("closed-loop sessions behind a router are not simulated yet")
+    n = workload.num_requests
+    refused = np.zeros(n, bool) if rate_limited is None else np.asarray(rate_limited, bool)
+    results: list = [None] * len(clusters)
+    static, stepped = [], {}
+    for i, (engines, cluster) in enumerate(zip(groups, clusters)):
+        if sum(group.count for group in engines) == 1:
+            (group,) = engines
+            outcome = simulate_workload(workload, group.scheduler, group.cost_fn, group.cost_params, horizon_s,
+                                        ttft_slo_ms, refused)
+            arrived = outcome.requests.status != NOT_ARRIVED
+            results[i] = ClusterOutcome(outcome, np.where(arrived & ~refused, 0, NOT_ROUTED), (outcome,))
+        elif cluster.router in lockstep.STATE_FREE_ROUTERS and not while_running:
+            static.append(i)
+        else:
+            _check_steppable_together(cluster.router, [group.scheduler for group in engines])
+            stepped.setdefault(_lockstep_key(engines, cluster), []).append(i)
+    runs = [(static, _static_runs)] + [(members, _lockstep_runs) for members in stepped.values()]
+    for members, run in runs:
+        if not members:
+            continue
+        for i, (replica, outcomes) in zip(members, run(workload, [(groups[i], clusters[i]) for i in members],
+                                                       horizon_s, ttft_slo_ms, refused)):
+            results[i] = ClusterOutcome(merged_outcome(workload, replica, outcomes, refused, horizon_s), replica,
+                                        tuple(outcomes))
+    return results
 
 
 def simulate_groups(workload: Workload, groups: Sequence[EngineGroup], cluster: ClusterConfig,
@@ -161,25 +253,8 @@ def simulate_groups(workload: Workload, groups: Sequence[EngineGroup], cluster: 
     not read (``ttft_slo_ms`` and ``rate_limited`` as simulate_workload takes them; the rate limits apply at the
     router). ``while_running`` routes as the replicas run even when the router reads no load (the same
     decisions: tests compare the two)."""
-    n = workload.num_requests
-    num_replicas = sum(group.count for group in groups)
-    refused = np.zeros(n, bool) if rate_limited is None else np.asarray(rate_limited, bool)
-    if workload.closed_loop:
-        raise ValueError("closed-loop sessions behind a router are not simulated yet")
-    if num_replicas == 1:
-        (group,) = groups
-        outcome = simulate_workload(workload, group.scheduler, group.cost_fn, group.cost_params, horizon_s,
-                                    ttft_slo_ms, refused)
-        arrived = outcome.requests.status != NOT_ARRIVED
-        replica = np.where(arrived & ~refused, 0, NOT_ROUTED)
-        return ClusterOutcome(outcome, replica, (outcome,))
-    draws = lockstep.router_draws(n, num_replicas, cluster.seed)
-    static = cluster.router in lockstep.STATE_FREE_ROUTERS and not while_running
-    if not static:
-        _check_steppable_together(cluster.router, [group.scheduler for group in groups])
-    run = _static_run if static else _lockstep_run
-    replica, outcomes = run(workload, groups, cluster, horizon_s, ttft_slo_ms, refused, draws)
-    return ClusterOutcome(merged_outcome(workload, replica, outcomes, refused, horizon_s), replica, tuple(outcomes))
+    [outcome] = simulate_clusters(workload, [groups], [cluster], horizon_s, ttft_slo_ms, rate_limited, while_running)
+    return outcome
 
 
 def _check_steppable_together(router: str, schedulers: Sequence[SchedulerConfig]) -> None:

@@ -1,7 +1,8 @@
 """Host-side entry points to the JAX engine: workload and knobs in, per-request outcomes out.
 
 ``simulate_workload`` runs one scheduler config; ``simulate_many`` runs a list of configs over the same
-workload in one vmapped, jitted call (what search uses to evaluate trials in batches). Both return
+workload in one vmapped, jitted call (what search uses to evaluate trials in batches); ``simulate_each`` runs
+each of many workloads under its own config in one call (seeds, or the shares of clusters' replicas). Both return
 ``SimulationOutcome`` -- the same type the reference simulator returns.
 """
 from __future__ import annotations
@@ -293,7 +294,7 @@ def _stack(params: Sequence[engine.EngineParams]) -> engine.EngineParams:
     return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *params)
 
 
-def _batch_lanes(count: int) -> int:
+def batch_lanes(count: int) -> int:
     """How many lanes a batch of `count` runs takes (the last run fills the rest): a power of two up to 8,
     then a multiple of 8 -- few sizes to compile, and never more than seven lanes of a large batch idle."""
     return power_of_two_at_least(count, 1) if count <= 8 else -(-count // 8) * 8
@@ -308,7 +309,7 @@ def _run_growing(workload: Workload, trace, params: list, cost_fn, schedulers, s
     sizes: Optional[tuple[int, int]] = (slot_schedule(schedulers)[0], INITIAL_POOL)
     while sizes is not None:
         shape = queue_shape_for(workload, scored, *sizes)
-        lanes = pending + [pending[-1]] * (_batch_lanes(len(pending)) - len(pending))
+        lanes = pending + [pending[-1]] * (batch_lanes(len(pending)) - len(pending))
         rows = _stack([params[i] for i in lanes])
         if traces is None:
             batch = engine.run_many(trace, rows, cost_fn, sizes[0], shape)
@@ -396,27 +397,42 @@ def simulate_seeds(workloads: Sequence[Workload], scheduler: SchedulerConfig, co
     """Simulate one scheduler config over many workloads -- as seeds of one workload spec give: any request
     counts, the same tenants and closed-loop sessions -- in one vmapped call (``ttft_slo_ms``: one array per
     workload, see device_trace)."""
+    return simulate_each(workloads, [scheduler] * len(workloads), cost_fn, [cost_params] * len(workloads),
+                         horizon_s, ttft_slo_ms)
+
+
+def simulate_each(workloads: Sequence[Workload], schedulers: Sequence[SchedulerConfig], cost_fn: Callable,
+                  cost_params: Sequence[Any], horizon_s: Optional[float] = None,
+                  ttft_slo_ms: Optional[Sequence[np.ndarray]] = None) -> list[SimulationOutcome]:
+    """Simulate each workload under its own scheduler config and cost parameters in one vmapped call: the
+    shares of many clusters' replicas, or seeds of one workload spec (simulate_seeds). The workloads may have
+    any request counts but the same tenants and closed-loop sessions; the configs one kind of waiting queue
+    (fcfs, or scored orders) and a sliding window or none, as one compiled engine runs them all."""
     if not workloads:
         return []
+    if not len(workloads) == len(schedulers) == len(cost_params):
+        raise ValueError("simulate_each needs one scheduler config and one cost-parameter set per workload")
+    if len({is_scored(s) for s in schedulers}) > 1 or len({bool(s.window) for s in schedulers}) > 1:
+        raise ValueError("simulate_each runs one compiled engine: its configs need one kind of waiting queue "
+                         "(fcfs, or scored orders) and all or none a sliding window")
     first = workloads[0]
     rows = request_rows(max(w.num_requests for w in workloads))
     slos = [None] * len(workloads) if ttft_slo_ms is None else list(ttft_slo_ms)
-    traces = [padded_trace(device_trace(w, scheduler.length_prediction_noise, slo), rows)
-              for w, slo in zip(workloads, slos)]
+    traces = [padded_trace(device_trace(w, s.length_prediction_noise, slo), rows)
+              for w, s, slo in zip(workloads, schedulers, slos)]
     shapes = [jax.tree_util.tree_map(np.shape, t) for t in traces]
     for index, (w, shape) in enumerate(zip(workloads, shapes)):
         if shape != shapes[0] or w.tenant_names != first.tenant_names:
             sessions = len(np.unique(w.session)) if w.closed_loop else "no"
             first_sessions = len(np.unique(first.session)) if first.closed_loop else "no"
-            raise ValueError(f"simulate_seeds needs workloads with the same tenants and sessions: workload {index} "
+            raise ValueError(f"simulate_each needs workloads with the same tenants and sessions: workload {index} "
                              f"has tenants {list(w.tenant_names)} and {sessions} sessions, workload 0 "
                              f"{list(first.tenant_names)} and {first_sessions}")
-    hits = [prefix_cache_hits(w, scheduler) for w in workloads]
-    params = [_params(w, scheduler, cost_params, horizon_s, h, rows) for w, h in zip(workloads, hits)]
+    hits = [prefix_cache_hits(w, s) for w, s in zip(workloads, schedulers)]
+    params = [_params(w, s, c, horizon_s, h, rows) for w, s, c, h in zip(workloads, schedulers, cost_params, hits)]
     # The tables are sized for the longest workload (its rows cover every other's).
     longest = max(workloads, key=lambda w: w.num_requests)
-    states = _run_growing(longest, None, params, cost_fn, [scheduler] * len(workloads), is_scored(scheduler),
-                          traces)
+    states = _run_growing(longest, None, params, cost_fn, schedulers, is_scored(schedulers[0]), traces)
     return [_with_hits(outcome_from_state(w, state, horizon_s), h) for w, state, h in zip(workloads, states, hits)]
 
 
