@@ -9,9 +9,11 @@ a neighbour's 512. Batches are padded (by repeating a config) to a power of two 
 A continuous-batching config whose max_num_seqs exceeds what its KV cache can ever hold runs with the cap
 lowered to that bound (see ``concurrency_bound``); the simulation is the same, only cheaper.
 
-A config with a cluster of more than one replica runs alone, through ``simulate_cluster`` (its replicas are the
-lanes of that call), and is scored on the whole cluster's outcome. One replica is the single engine exactly
-(``simulate_cluster``'s contract), so such a config batches with the others.
+Configs with a cluster of more than one replica batch by replica count and slot schedule through
+``simulate_clusters`` (which steps clusters whose routers read the replicas' load together, and runs the shares of
+those routed before the run together), each scored on its whole cluster's outcome as if simulated alone. One
+replica is the single engine exactly (``simulate_cluster``'s contract), so such a config batches with the
+single-engine configs.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from typing import Any, Callable, Optional, Sequence
 from servetune.config import Config
 from servetune.cost_models.factory import build_cost_model
 from servetune.envs.metrics import compute_metrics
-from servetune.envs.sim.cluster_simulator import EngineGroup, simulate_groups
+from servetune.envs.sim.cluster_simulator import EngineGroup, simulate_clusters
 from servetune.envs.sim.simulator import concurrency_bound, simulate_many, slot_schedule
 from servetune.envs.workload.admission import rate_limited
 from servetune.envs.workload.slos import per_request_slos
@@ -66,22 +68,21 @@ class BatchEvaluator:
         results: list[Optional[dict]] = [None] * len(configs)
         for index, config in enumerate(resolved):
             workload = self.workload(config)
-            cost_fn, _ = self._cost_model(config)
             runnable.append(_runnable(config, workload))
-            if _replicas(config) > 1:
-                results[index] = self._simulate_cluster(runnable[-1], config)
-                if on_simulated:
-                    on_simulated(1)
-                continue
             # Configs that try the same slot tables run as one batch.
-            slots = tuple(slot_schedule([runnable[-1].scheduler]))
-            key = (config.workload, config.simulation.horizon_s, cost_fn, slots)
+            if _replicas(config) > 1:
+                engines = self._engine_groups(config, workload)
+                slots = tuple(slot_schedule([engine.scheduler for engine in engines]))
+                key = (config.workload, config.simulation.horizon_s, _replicas(config), slots)
+            else:
+                slots = tuple(slot_schedule([runnable[-1].scheduler]))
+                key = (config.workload, config.simulation.horizon_s, self._cost_model(config)[0], slots)
             groups.setdefault(key, []).append(index)
         for indices in groups.values():
+            simulate = self._simulate_clusters if _replicas(resolved[indices[0]]) > 1 else self._simulate
             for start in range(0, len(indices), self.batch_size):
                 chunk = indices[start:start + self.batch_size]
-                for index, metrics in zip(chunk, self._simulate([runnable[i] for i in chunk],
-                                                                [resolved[i] for i in chunk])):
+                for index, metrics in zip(chunk, simulate([runnable[i] for i in chunk], [resolved[i] for i in chunk])):
                     results[index] = metrics
                 if on_simulated:
                     on_simulated(len(chunk))
@@ -103,20 +104,28 @@ class BatchEvaluator:
             for config, outcome in zip(resolved, outcomes)
         ]
 
-    def _simulate_cluster(self, runnable: Config, resolved: Config) -> dict:
-        workload = self.workload(runnable)
-        slos = per_request_slos(runnable, workload)
-        # Each replica group is an engine of its own (a cluster without groups: one group of identical replicas),
-        # simulated with its max_num_seqs lowered as a lone config's is.
-        engines = replica_engines(resolved)
-        groups = [EngineGroup(engine.count, _runnable(engine.config, workload).scheduler,
-                              *self._cost_model(engine.config)) for engine in engines]
-        outcome = simulate_groups(workload, groups, runnable.cluster, runnable.simulation.horizon_s, slos.ttft_ms,
-                                  rate_limited(workload, runnable.workload.tenants)).outcome
+    def _engine_groups(self, resolved: Config, workload: Workload) -> list[EngineGroup]:
+        """Each replica group's engine (a cluster without groups: one group of identical replicas), its
+        max_num_seqs lowered as a lone config's is."""
+        return [EngineGroup(engine.count, _runnable(engine.config, workload).scheduler,
+                            *self._cost_model(engine.config)) for engine in replica_engines(resolved)]
+
+    def _simulate_clusters(self, runnable: list[Config], resolved: list[Config]) -> list[dict]:
+        first = runnable[0]
+        workload = self.workload(first)
+        slos = per_request_slos(first, workload)
+        outcomes = simulate_clusters(workload, [self._engine_groups(config, workload) for config in resolved],
+                                     [config.cluster for config in runnable], first.simulation.horizon_s,
+                                     slos.ttft_ms, rate_limited(workload, first.workload.tenants))
         # compute_metrics divides KV block-seconds by the blocks it is given: the cluster's summed block-seconds
         # over every replica's cache, so mean_kv_utilization is the cluster's share of all its blocks in use.
-        cluster_blocks = sum(engine.count * engine.config.scheduler.num_kv_blocks for engine in engines)
-        return {**compute_metrics(workload, outcome, slos, cluster_blocks), "truncated": outcome.totals.truncated}
+        return [{**compute_metrics(workload, outcome.outcome, slos, _cluster_blocks(config)),
+                 "truncated": outcome.outcome.totals.truncated}
+                for config, outcome in zip(resolved, outcomes)]
+
+
+def _cluster_blocks(config: Config) -> int:
+    return sum(engine.count * engine.config.scheduler.num_kv_blocks for engine in replica_engines(config))
 
 
 def _replicas(config: Config) -> int:

@@ -154,6 +154,20 @@ def test_a_cluster_is_scored_on_the_whole_clusters_outcome_as_the_reference_clus
     assert 0 < metrics["slo_attainment"] < 1
 
 
+def test_clusters_evaluated_in_one_batch_score_as_each_alone():
+    """Two clusters stepped together in one evaluate call (tests/test_cluster_batch.py has the simulator's side,
+    every kind of router): each one's metrics are those it gets evaluated alone."""
+    configs = [config_from_dict(_seats_data(**cluster), source="c.yaml") for cluster in (
+        {"replicas": 3, "router": "least_outstanding"},
+        {"replicas": 3, "router": "weighted", "router_weights": {"queue": 1.0, "running": 2.0},
+         "signal_delay_s": 0.1})]
+    together = BatchEvaluator().evaluate(configs)
+    for config, (_, metrics) in zip(configs, together):
+        [(_, alone)] = BatchEvaluator().evaluate([config])
+        assert metrics == alone, config.cluster
+    assert len({metrics["p99_ttft_ms"] for _, metrics in together}) == len(configs), "the clusters ran alike"
+
+
 def test_a_tiny_cluster_study_finds_the_cheapest_deployment_that_meets_the_slo(tmp_path):
     """Six trials over replicas and router: goodput per GPU is goodput over the replicas, and the best is the
     fewest replicas that keep up (4), whose goodput is every request over the run."""
