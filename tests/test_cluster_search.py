@@ -158,8 +158,8 @@ def test_clusters_evaluated_in_one_batch_score_as_each_alone():
     """Two clusters stepped together in one evaluate call (tests/test_cluster_batch.py has the simulator's side,
     every kind of router): each one's metrics are those it gets evaluated alone."""
     configs = [config_from_dict(_seats_data(**cluster), source="c.yaml") for cluster in (
-        {"replicas": 3, "router": "least_outstanding"},
-        {"replicas": 3, "router": "weighted", "router_weights": {"queue": 1.0, "running": 2.0},
+        {"replicas": 2, "router": "least_outstanding"},
+        {"replicas": 2, "router": "weighted", "router_weights": {"queue": 1.0, "running": 2.0},
          "signal_delay_s": 0.1})]
     together = BatchEvaluator().evaluate(configs)
     for config, (_, metrics) in zip(configs, together):

@@ -29,7 +29,7 @@ from servetune.envs.sim.outcome import (
     NOT_ARRIVED, NOT_ROUTED, ClusterOutcome, idle_outcome, in_workload_order, merged_outcome, routable,
 )
 from servetune.envs.sim.simulator import (
-    INITIAL_POOL, POOL_GROWTH, batch_lanes, device_trace, engine_params, is_scored, iteration_guard,
+    INITIAL_POOL, POOL_GROWTH, device_trace, engine_params, is_scored, iteration_guard,
     outcome_from_state, padded_trace, queue_shape_for, request_rows, simulate_each, simulate_workload, slot_schedule,
 )
 from servetune.envs.workload.requests import Workload, take_rows
@@ -87,11 +87,16 @@ def _group_of_replica(groups: Sequence[EngineGroup]) -> np.ndarray:
     return np.repeat(np.arange(len(groups)), [group.count for group in groups])
 
 
+# The most replicas' shares one vmapped call runs for clusters routed before the run: a cluster of up to 8
+# replicas compiles the widths a lone one does (1, 2, 4, 8), and on a CPU more lanes a call save nothing.
+STATIC_LANES = 8
+
+
 def _static_runs(workload, members, horizon_s, slos, refused):
     """(replica, per-replica outcomes) of each (groups, cluster) in ``members``, whose routers decide before the
-    run. Each share is a lone engine of its group's; the shares of every member run in few vmapped calls, one
-    per step-time function, kind of queue, slot schedule and request-row count (a group's shares padded to its
-    longest one's, as that group alone pads them)."""
+    run. Each share is a lone engine of its group's; the shares of every member run in vmapped calls of up to
+    STATIC_LANES, each of one step-time function, kind of queue, slot schedule and request-row count (a group's
+    shares padded to its longest one's, as that group alone pads them)."""
     routed, calls = [], {}
     for m, (groups, cluster) in enumerate(members):
         num_replicas = sum(group.count for group in groups)
@@ -110,14 +115,20 @@ def _static_runs(workload, members, horizon_s, slos, refused):
                    request_rows(max(len(shares[r]) for r in served)))
             calls.setdefault(key, []).extend((m, r, group) for r in served)
     for (cost_fn, *_), lanes in calls.items():
-        shares = [routed[m][1][r] for m, r, _ in lanes]
-        runs = simulate_each([take_rows(workload, ids, workload.arrival_s[ids]) for ids in shares],
-                             [group.scheduler for *_, group in lanes], cost_fn,
-                             [group.cost_params for *_, group in lanes], horizon_s,
-                             None if slos is None else [slos[ids] for ids in shares])
-        for (m, r, _), ids, run in zip(lanes, shares, runs):
-            routed[m][2][r] = in_workload_order(workload, ids, run)
+        for start in range(0, len(lanes), STATIC_LANES):
+            _run_shares(workload, routed, lanes[start:start + STATIC_LANES], cost_fn, horizon_s, slos)
     return [(replica, outcomes) for replica, _, outcomes in routed]
+
+
+def _run_shares(workload, routed, lanes, cost_fn, horizon_s, slos) -> None:
+    """The shares ``lanes`` ((member, replica, group) triples) run in one simulate_each call; each outcome
+    stored in ``routed``, the member's (replica, shares, outcomes)."""
+    shares = [routed[m][1][r] for m, r, _ in lanes]
+    runs = simulate_each([take_rows(workload, ids, workload.arrival_s[ids]) for ids in shares],
+                         [group.scheduler for *_, group in lanes], cost_fn, [group.cost_params for *_, group in lanes],
+                         horizon_s, None if slos is None else [slos[ids] for ids in shares])
+    for (m, r, _), ids, run in zip(lanes, shares, runs):
+        routed[m][2][r] = in_workload_order(workload, ids, run)
 
 
 def _lockstep_key(groups: Sequence[EngineGroup], cluster: ClusterConfig) -> tuple:
@@ -131,16 +142,24 @@ def _lockstep_key(groups: Sequence[EngineGroup], cluster: ClusterConfig) -> tupl
             frozenset(bool(s.window) for s in schedulers), any(s.enable_prefix_caching for s in schedulers))
 
 
+# The most lanes (clusters x replicas) one lock-step call steps. On a CPU a call costs about what one of a single
+# 2-replica cluster does up to some four lanes, and past them more than in proportion to its lanes (at each
+# routing event every lane waits for the slowest): on two cores, the cluster trials of a 200-trial study of
+# examples/cluster.yaml took 35 s one cluster a call, 33 s at four lanes, 47 s at eight. So 2-replica clusters
+# step in pairs and larger ones alone, and each replica count's calls have one width, compiled once.
+LOCKSTEP_LANES = 4
+
+
 def _lockstep_runs(workload, members, horizon_s, slos, refused):
     """(replica, per-replica outcomes) of each (groups, cluster) in ``members``, which share a `_lockstep_key`,
-    routed as their replicas run: every member's replicas lanes of one `run_cluster` call, the members padded
-    to few widths (`batch_lanes`) so that a study compiles few shapes."""
+    routed as their replicas run: the replicas of as many members as fill LOCKSTEP_LANES lanes of one
+    `run_cluster` call."""
     first_groups, first_cluster = members[0]
-    schedulers = [group.scheduler for groups, _ in members for group in groups]
     num_replicas = sum(group.count for group in first_groups)
+    width = max(1, LOCKSTEP_LANES // num_replicas)
     rows = request_rows(workload.num_requests)
     # The loader keeps one predicted-length table for groups stepped together (one noise for all).
-    trace = device_trace(workload, schedulers[0].length_prediction_noise, slos, refused)
+    trace = device_trace(workload, first_groups[0].scheduler.length_prediction_noise, slos, refused)
     trace = padded_trace(trace, rows)
     draws = lockstep.router_draws(workload.num_requests, num_replicas, first_cluster.seed)
     draws = jnp.asarray(np.concatenate([draws, np.zeros((rows - workload.num_requests, 2), np.int32)]))
@@ -155,35 +174,36 @@ def _lockstep_runs(workload, members, horizon_s, slos, refused):
         # Each replica's prefix cache (its group's KV capacity), filled as the router sends it requests.
         lanes_kv.append([(s.num_kv_blocks, s.block_size) if s.enable_prefix_caching else None
                          for s in (groups[g].scheduler for g in _group_of_replica(groups))])
-    # One slot table for every lane: the largest any group could fill.
-    sizes = slot_schedule(schedulers)
-    num_slots, pool_size = sizes[0], INITIAL_POOL
-    scored = is_scored(schedulers[0])
     results: list = [None] * len(members)
-    pending = list(range(len(members)))
-    while pending:
-        batch = pending + [pending[-1]] * (batch_lanes(len(pending)) - len(pending))
-        params = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *(lane for m in batch for lane in lanes[m]))
-        router = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *(routers[m] for m in batch))
-        prefix = lockstep.prefix_caches(workload, rows, [kv for m in batch for kv in lanes_kv[m]])
-        shape = queue_shape_for(workload, scored, num_slots, pool_size)
-        state = jax.device_get(lockstep.run_cluster_jit(trace, draws, params, router, cost_fn, num_slots, shape,
-                                                        num_replicas, prefix))
-        slots_full = np.asarray(state.replicas.slots_filled).reshape(len(batch), num_replicas).any(axis=1)
-        pool_full = np.asarray(state.replicas.pool_filled).reshape(len(batch), num_replicas).any(axis=1)
-        # A lane that outgrows its tables stops the whole call: the members it stopped unfinished run again,
-        # with the larger tables, beside those that outgrew theirs.
-        done = np.asarray(state.finished) & ~slots_full & ~pool_full
-        if not (slots_full.any() or pool_full.any()):
-            lockstep.check_finished(state)
-        for b, m in enumerate(pending):
-            if done[b]:
-                results[m] = _member_outcomes(workload, state, b, num_replicas, horizon_s)
-        pending = [m for b, m in enumerate(pending) if not done[b]]
-        if slots_full.any():
-            num_slots = next(size for size in sizes if size > num_slots)
-        if pool_full.any():
-            pool_size = min(rows, pool_size * POOL_GROWTH)
+    for start in range(0, len(members), width):
+        chunk = list(range(start, min(start + width, len(members))))
+        # One slot table for every lane: the largest any group could fill.
+        sizes = slot_schedule([group.scheduler for m in chunk for group in members[m][0]])
+        num_slots, pool_size = sizes[0], INITIAL_POOL
+        pending = chunk
+        while pending:
+            batch = pending + [pending[-1]] * (width - len(pending))
+            params = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *(lane for m in batch for lane in lanes[m]))
+            router = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *(routers[m] for m in batch))
+            prefix = lockstep.prefix_caches(workload, rows, [kv for m in batch for kv in lanes_kv[m]])
+            shape = queue_shape_for(workload, is_scored(first_groups[0].scheduler), num_slots, pool_size)
+            state = jax.device_get(lockstep.run_cluster_jit(trace, draws, params, router, cost_fn, num_slots, shape,
+                                                            num_replicas, prefix))
+            slots_full = np.asarray(state.replicas.slots_filled).reshape(width, num_replicas).any(axis=1)
+            pool_full = np.asarray(state.replicas.pool_filled).reshape(width, num_replicas).any(axis=1)
+            # A lane that outgrows its tables stops the whole call: the members it stopped unfinished run again,
+            # with the larger tables, beside those that outgrew theirs.
+            done = np.asarray(state.finished) & ~slots_full & ~pool_full
+            if not (slots_full.any() or pool_full.any()):
+                lockstep.check_finished(state)
+            for b, m in enumerate(pending):
+                if done[b]:
+                    results[m] = _member_outcomes(workload, state, b, num_replicas, horizon_s)
+            pending = [m for b, m in enumerate(pending) if not done[b]]
+            if slots_full.any():
+                num_slots = next(size for size in sizes if size > num_slots)
+            if pool_full.any():
+                pool_size = min(rows, pool_size * POOL_GROWTH)
     return results
 
 
@@ -212,9 +232,9 @@ def simulate_clusters(workload: Workload, groups: Sequence[Sequence[EngineGroup]
     """Simulate many clusters over one workload, cluster ``i`` the replicas of ``groups[i]`` behind
     ``clusters[i].router`` (arguments otherwise as simulate_groups takes them), each outcome what
     simulate_groups gives that cluster alone. Clusters routed as they run that share a replica count, router
-    seed, step-time functions and kind of queue are stepped together in one call (`_lockstep_key`); the shares
-    of every cluster routed before the run run in few vmapped calls (`_static_runs`). A cluster of one replica
-    is the single engine, alone."""
+    seed, step-time functions and kind of queue (`_lockstep_key`) step together, as many a call as fill
+    LOCKSTEP_LANES lanes; the shares of clusters routed before the run run together, up to STATIC_LANES a call
+    (`_static_runs`). A cluster of one replica is the single engine, alone."""
     if len(groups) != len(clusters):
         raise ValueError("simulate_clusters needs one list of engine groups per cluster")
     if workload.closed_loop:

@@ -294,7 +294,7 @@ def _stack(params: Sequence[engine.EngineParams]) -> engine.EngineParams:
     return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *params)
 
 
-def batch_lanes(count: int) -> int:
+def _batch_lanes(count: int) -> int:
     """How many lanes a batch of `count` runs takes (the last run fills the rest): a power of two up to 8,
     then a multiple of 8 -- few sizes to compile, and never more than seven lanes of a large batch idle."""
     return power_of_two_at_least(count, 1) if count <= 8 else -(-count // 8) * 8
@@ -309,7 +309,7 @@ def _run_growing(workload: Workload, trace, params: list, cost_fn, schedulers, s
     sizes: Optional[tuple[int, int]] = (slot_schedule(schedulers)[0], INITIAL_POOL)
     while sizes is not None:
         shape = queue_shape_for(workload, scored, *sizes)
-        lanes = pending + [pending[-1]] * (batch_lanes(len(pending)) - len(pending))
+        lanes = pending + [pending[-1]] * (_batch_lanes(len(pending)) - len(pending))
         rows = _stack([params[i] for i in lanes])
         if traces is None:
             batch = engine.run_many(trace, rows, cost_fn, sizes[0], shape)
