@@ -2,7 +2,7 @@
 
 ``simulate_workload`` runs one scheduler config; ``simulate_many`` runs a list of configs over the same
 workload in one vmapped, jitted call (what search uses to evaluate trials in batches); ``simulate_each`` runs
-each of many workloads under its own config in one call (seeds, or the shares of clusters' replicas). Both return
+each of many workloads under its own config in one call (seeds, or the shares of clusters' replicas). All return
 ``SimulationOutcome`` -- the same type the reference simulator returns.
 """
 from __future__ import annotations
