@@ -161,6 +161,7 @@ def prefix_caches(workload, rows: int, lanes_kv: Sequence[Optional[tuple[int, in
     # Tables sized to powers of two, as the request rows are, so that workloads of a like size share a compiled
     # cluster: the stamp columns, log entries and window past the workload's own are never read.
     total, max_units = len(dense), power_of_two_at_least(int(counts.max(initial=0)), 1)
+    log_length = power_of_two_at_least(total, 16)
     lanes = len(lanes_kv)
 
     def padded(values, fill):
@@ -170,13 +171,12 @@ def prefix_caches(workload, rows: int, lanes_kv: Sequence[Optional[tuple[int, in
 
     capacity = [0 if kv is None else capacity_units(workload, *kv) for kv in lanes_kv]
     return PrefixCaches(
-        unit_ids=jnp.asarray(np.concatenate([dense, np.zeros(power_of_two_at_least(total, 16) + max_units - total,
-                                                             np.int64)]), i32),
+        unit_ids=jnp.asarray(np.concatenate([dense, np.zeros(log_length + max_units - total, np.int64)]), i32),
         unit_start=padded(offsets[:-1], total), unit_count=padded(counts, 0),
         prompt=padded(workload.prompt_tokens, 1), unit_tokens=jnp.asarray(workload.hash_block_tokens, i32),
         capacity=jnp.asarray(capacity, i32), enabled=jnp.asarray([kv is not None for kv in lanes_kv]),
         stamp=jnp.zeros((lanes, power_of_two_at_least(len(distinct), 16)), i32),
-        log=jnp.zeros((lanes, power_of_two_at_least(total, 16)), i32),
+        log=jnp.zeros((lanes, log_length), i32),
         head=jnp.zeros(lanes, i32), size=jnp.zeros(lanes, i32), count=jnp.zeros(lanes, i32),
         cached_tokens=jnp.zeros((lanes, rows), i32), hit_units=jnp.zeros(lanes, i32),
         looked_up_units=jnp.zeros(lanes, i32), max_units=max_units,
