@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-_AXIS = "cores"
+CORES_AXIS = "cores"   # the mesh axis of the local devices, named in programs that exchange data between them
 
 
 def use_all_cores() -> None:
@@ -32,8 +32,16 @@ def use_all_cores() -> None:
 
 
 @lru_cache(maxsize=None)
-def _mesh() -> Mesh:
-    return Mesh(np.array(jax.local_devices()), (_AXIS,))
+def cores_mesh() -> Mesh:
+    """The local devices as one mesh axis, CORES_AXIS."""
+    return Mesh(np.array(jax.local_devices()), (CORES_AXIS,))
+
+
+def cores_dividing(size: int) -> int:
+    """How many cores a batch of `size` rows that cannot be padded splits over: the device count where it
+    divides `size`, else 1."""
+    devices = len(jax.local_devices())
+    return devices if size % devices == 0 else 1
 
 
 def across_cores(batched_fn: Callable, batched: Sequence[bool]) -> Callable:
@@ -54,8 +62,8 @@ def across_cores(batched_fn: Callable, batched: Sequence[bool]) -> Callable:
             return jnp.concatenate([x, jnp.repeat(x[-1:], padded, axis=0)]) if padded else x
 
         args = tuple(jax.tree_util.tree_map(pad, a) if b else a for a, b in zip(args, batched))
-        specs = tuple(PartitionSpec(_AXIS) if b else PartitionSpec() for b in batched)
-        out = jax.shard_map(batched_fn, mesh=_mesh(), in_specs=specs, out_specs=PartitionSpec(_AXIS),
+        specs = tuple(PartitionSpec(CORES_AXIS) if b else PartitionSpec() for b in batched)
+        out = jax.shard_map(batched_fn, mesh=cores_mesh(), in_specs=specs, out_specs=PartitionSpec(CORES_AXIS),
                             check_vma=False)(*args)
         return jax.tree_util.tree_map(lambda x: x[:size], out) if padded else out
 
@@ -70,8 +78,8 @@ def laid_out(tree, size: int):
     devices = len(jax.local_devices())
     if devices == 1 or size < devices:
         return tree
-    spec = PartitionSpec() if size % devices else PartitionSpec(_AXIS)
-    return jax.device_put(tree, NamedSharding(_mesh(), spec))
+    spec = PartitionSpec() if size % devices else PartitionSpec(CORES_AXIS)
+    return jax.device_put(tree, NamedSharding(cores_mesh(), spec))
 
 
 def on_every_device(tree):
@@ -80,4 +88,4 @@ def on_every_device(tree):
     call on, so it compiles once (an RL update fed its own state, a state restored from a checkpoint)."""
     if len(jax.local_devices()) == 1:
         return tree
-    return jax.device_put(tree, NamedSharding(_mesh(), PartitionSpec()))
+    return jax.device_put(tree, NamedSharding(cores_mesh(), PartitionSpec()))

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -60,9 +61,8 @@ def units_workload(rng: np.random.Generator, n: int, distinct: int) -> Workload:
 
 @jax.jit
 def _send_one(caches, request, lane, row):
-    ids = request[None]
-    lookup = lockstep._lookup(caches, ids, caches.capacity.shape[0])
-    return lockstep._send(caches, ids, lane[None], row[None], lookup, caches.capacity.shape[0]), lookup[2][0]
+    lookup = lockstep._lookup(caches, jnp.broadcast_to(request, caches.capacity.shape))
+    return lockstep._send(caches, request[None], lane[None], row[None], lookup), lookup[2]
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -310,3 +310,29 @@ def test_the_prefix_hit_weight_is_a_knob_when_caching_is_on_or_searched():
         knobs={**knob, "scheduler.enable_prefix_caching": {"choices": [False, True]}}), source="c.yaml")
     for config in (on, searched):
         assert "cluster.router_weights.prefix_hit" in dict(config.search.knobs)
+
+
+@pytest.mark.skipif(len(jax.local_devices()) < 2, reason="needs two or more cores: lanes split across cores then")
+@pytest.mark.parametrize("router, weights, delay", [
+    ("weighted", (("queue", 0.25), ("kv_utilization", 2.0), ("prefix_hit", 8.0)), 0.1),
+    ("least_outstanding", (), 0.0),
+])
+def test_lanes_split_across_cores_step_as_they_do_on_one_core(monkeypatch, router, weights, delay):
+    """Each core steps its share of the lanes and the cores exchange what the router reads: four replicas,
+    two a core, must give every replica's table, its prefix cache and every routing decision bit for bit as the
+    four on one core."""
+    rng = np.random.default_rng(20_700)
+    case = draw_group(20_700)[0]
+    workload = with_prefix_groups(case.workload, rng, groups=3)
+    scheduler = dataclasses.replace(case.scheduler, enable_prefix_caching=True)
+    config = cluster(router, 4, delay, 20_700, weights)
+    split = simulate_cluster(workload, scheduler, config, step_time_s, case.cost, case.horizon_s)
+    monkeypatch.setattr(lockstep, "run_cluster_jit", functools.partial(lockstep.run_cluster_jit, across_cores=False))
+    one_core = simulate_cluster(workload, scheduler, config, step_time_s, case.cost, case.horizon_s)
+    np.testing.assert_array_equal(split.replica, one_core.replica)
+    assert len(set(split.replica[split.replica >= 0].tolist())) == 4   # every core's lanes were routed to
+    for a, b in zip((split.outcome, *split.replicas), (one_core.outcome, *one_core.replicas)):
+        for part in ("requests", "totals"):
+            for field in dataclasses.fields(getattr(a, part)):
+                np.testing.assert_array_equal(getattr(getattr(a, part), field.name),
+                                              getattr(getattr(b, part), field.name), err_msg=f"{part}.{field.name}")

@@ -32,7 +32,9 @@ from typing import Callable, NamedTuple, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
+from servetune import parallel
 from servetune.config import ROUTERS, STATE_FREE_ROUTERS
 from servetune.envs.sim import engine
 from servetune.envs.sim.double_float import df_le
@@ -184,41 +186,33 @@ def prefix_caches(workload, rows: int, lanes_kv: Sequence[Optional[tuple[int, in
 
 
 def _request_units(caches: PrefixCaches, ids):
-    """Per config's request ``ids``: (its units int32[configs, max_units], which of them are its own)."""
+    """Per request of ``ids``: (its units int32[len(ids), max_units], which of them are its own)."""
     window = jnp.arange(caches.max_units, dtype=i32)
     units = caches.unit_ids[caches.unit_start[ids][:, None] + window[None, :]]
     return units, window[None, :] < caches.unit_count[ids][:, None]
 
 
-def _lookup(caches: PrefixCaches, ids, num_replicas):
-    """Per config and replica, for the config's request ``ids``: (which of its units the replica's cache holds,
-    the units of the leading run of them, the prompt tokens that spares it: capped so that the last is
+def _lookup(caches: PrefixCaches, lane_ids):
+    """Per lane, for its config's request ``lane_ids[lane]``: (which of the request's units the lane's cache
+    holds, the units of the leading run of them, the prompt tokens that spares it: capped so that the last is
     computed)."""
-    units, own = _request_units(caches, ids)
-    num_configs = ids.shape[0]
-    stamps = caches.stamp.reshape(num_configs, num_replicas, -1)
-    held = (jnp.take_along_axis(stamps, jnp.broadcast_to(units[:, None, :], (num_configs, num_replicas,
-                                                                              caches.max_units)), axis=2) > 0)
-    held = held & own[:, None, :]
-    leading = jnp.sum(jnp.cumprod(held.astype(i32), axis=2), axis=2)
-    leading = jnp.where(caches.enabled.reshape(num_configs, num_replicas), leading, 0)
-    cached = jnp.minimum(leading * caches.unit_tokens, caches.prompt[ids][:, None] - 1)
+    units, own = _request_units(caches, lane_ids)
+    held = (jnp.take_along_axis(caches.stamp, units, axis=1) > 0) & own
+    leading = jnp.sum(jnp.cumprod(held.astype(i32), axis=1), axis=1)
+    leading = jnp.where(caches.enabled, leading, 0)
+    cached = jnp.minimum(leading * caches.unit_tokens, caches.prompt[lane_ids] - 1)
     return held, leading, cached
 
 
-def _send(caches: PrefixCaches, ids, target, row, lookup, num_replicas) -> PrefixCaches:
+def _send(caches: PrefixCaches, ids, target, row, lookup) -> PrefixCaches:
     """Each config's request ``ids`` sent to lane ``target`` (the number of lanes: not sent) at ``row`` of its
     table, ``lookup`` being `_lookup`'s: its cached tokens recorded there, its units touched in order, then the
     least recently used units evicted past the lane's capacity."""
     held, leading, cached = lookup
     lanes = caches.capacity.shape[0]
-    num_configs = ids.shape[0]
     sent = target < lanes
     lane = jnp.minimum(target, lanes - 1)
-    replica = lane - jnp.arange(num_configs, dtype=i32) * num_replicas
-    leading = jnp.take_along_axis(leading, replica[:, None], axis=1)[:, 0]
-    cached = jnp.take_along_axis(cached, replica[:, None], axis=1)[:, 0]
-    was_cached = jnp.take_along_axis(held, replica[:, None, None], axis=1)[:, 0]   # the lookup's read, reused
+    leading, cached, was_cached = leading[lane], cached[lane], held[lane]   # the lookup's read, reused
     caching = sent & caches.enabled[lane]
     units, own = _request_units(caches, ids)
     own = own & caching[:, None]
@@ -359,20 +353,41 @@ def _next_event(requests: engine.Trace, router: RouterParams, cs: ClusterState, 
     return hi, lo, period, report, arrives & ~report
 
 
-def _cluster_iteration(requests, draws, params, router, cs: ClusterState, cost_fn, num_slots, queue, num_replicas):
-    num_configs = cs.next_request.shape[0]
-    lanes = num_configs * num_replicas
+class _Lanes(NamedTuple):
+    """Where a program's lanes sit among all lanes: all of them, or with ``axis`` (a shard_map axis over the
+    machine's cores) the ``local`` consecutive lanes of this core. The router reads every lane, so what it
+    reads is gathered from the cores and every core takes the same routing decisions."""
+    count: int
+    local: int
+    axis: Optional[str] = None
 
-    def per_config(x):
-        return x.reshape(num_configs, num_replicas)[:, 0]
+    def offset(self):
+        return 0 if self.axis is None else jax.lax.axis_index(self.axis) * self.local
+
+    def gathered(self, x):
+        return x if self.axis is None else jax.lax.all_gather(x, self.axis, tiled=True)
+
+    def here(self, x):
+        """This program's rows of a per-lane array of every lane."""
+        return x if self.axis is None else jax.lax.dynamic_slice_in_dim(x, self.offset(), self.local)
+
+    def target_here(self, target):
+        """Global lane numbers (``count``: none) as this program's (``local``: not one of its lanes)."""
+        local = target - self.offset()
+        return jnp.where((target < self.count) & (local >= 0) & (local < self.local), local, self.local)
+
+
+def _cluster_iteration(requests, draws, params, router, cs: ClusterState, cost_fn, num_slots, queue, num_replicas,
+                       layout: _Lanes, user_hi, user_lo):
+    """One routing event. Returns the state after it, and whether some lane (of any core) outgrew its tables."""
+    num_configs = cs.next_request.shape[0]
 
     def per_lane(x):
-        return jnp.repeat(x, num_replicas)
+        return layout.here(jnp.repeat(x, num_replicas))
 
     if cs.prefix is not None:
         # Each lane's rows start their prefill after the tokens its cache held when they were routed there.
         params = replace(params, cached_tokens=cs.prefix.cached_tokens)
-    user_hi, user_lo = per_config(params.horizon_hi), per_config(params.horizon_lo)
     hi, lo, period, report, arrival = _next_event(requests, router, cs, user_hi, user_lo)
     # Run every replica of an unfinished config to the event (to the end once nothing is left to route).
     last = ~jnp.isfinite(hi)
@@ -395,31 +410,38 @@ def _cluster_iteration(requests, draws, params, router, cs: ClusterState, cost_f
         jnp.any(per_lane(reads_split) & replicas.pipelined_now),
         lambda r: jax.vmap(lambda t, p, s: _decided_view(t, p, s, num_slots, queue))(cs.traces, params, r),
         lambda r: r, replicas)
-    load = jax.vmap(_load_signals)(params, view, cs.routed).reshape(num_configs, num_replicas, len(LOAD_SIGNALS))
+    routed_here = layout.here(cs.routed)
+    read = [jax.vmap(_load_signals)(params, view, routed_here)]
+    n = requests.prompt.shape[0]
+    ids = jnp.minimum(cs.next_request, n - 1)
+    if cs.prefix is not None:
+        lookup = _lookup(cs.prefix, per_lane(ids))
+        read.append(lookup[2].astype(f32)[:, None])
+    outgrown = replicas.slots_filled | replicas.pool_filled
+    read = layout.gathered(jnp.concatenate(read + [outgrown.astype(f32)[:, None]], axis=1))
+    load = read[:, :len(LOAD_SIGNALS)].reshape(num_configs, num_replicas, len(LOAD_SIGNALS))
     seen = jnp.where(report[:, None, None], load, cs.seen)
     reads = jnp.where((router.report_every_s > 0)[:, None, None], seen, load)
 
     # The arrival: refused by its tenant's rate limit at the router, or routed.
-    n = requests.prompt.shape[0]
-    ids = jnp.minimum(cs.next_request, n - 1)
     if cs.prefix is None:
         hit = jnp.zeros((num_configs, num_replicas), f32)
     else:
-        lookup = _lookup(cs.prefix, ids, num_replicas)
-        hit = lookup[2].astype(f32) / cs.prefix.prompt[ids][:, None].astype(f32)
+        hit = read[:, len(LOAD_SIGNALS)].reshape(num_configs, num_replicas) / cs.prefix.prompt[ids][:, None].astype(f32)
     reads = jnp.concatenate([reads, hit[:, :, None]], axis=2)
     refused = arrival & requests.rate_limited[ids]
     routes = arrival & ~refused
     replica = jax.vmap(_choice)(router, reads, draws[ids], cs.routed_count)
     lane = jnp.arange(num_configs, dtype=i32) * num_replicas + replica
-    row = cs.routed[jnp.minimum(lane, lanes - 1)]
-    target = jnp.where(routes, lane, lanes)
+    row = cs.routed[jnp.minimum(lane, layout.count - 1)]
+    target = jnp.where(routes, lane, layout.count)
+    target_here = layout.target_here(target)
     configs = jnp.arange(num_configs)
     if cs.prefix is not None:
-        cs = replace(cs, prefix=_send(cs.prefix, ids, target, row, lookup, num_replicas))
-    return replace(cs,
+        cs = replace(cs, prefix=_send(cs.prefix, ids, target_here, row, lookup))
+    cs = replace(cs,
         replicas=replicas,
-        traces=_write_rows(cs.traces, requests, target, row, ids),
+        traces=_write_rows(cs.traces, requests, target_here, row, ids),
         routed=cs.routed.at[target].add(1, mode="drop"),
         replica_of=cs.replica_of.at[configs, jnp.where(routes, ids, n)].set(replica, mode="drop"),
         row_of=cs.row_of.at[configs, jnp.where(routes, ids, n)].set(row, mode="drop"),
@@ -429,6 +451,7 @@ def _cluster_iteration(requests, draws, params, router, cs: ClusterState, cost_f
         reported_period=jnp.where(report, period, cs.reported_period),
         finished=cs.finished | last,
     )
+    return cs, jnp.any(read[:, -1] > 0)
 
 
 def _outgrown(cs: ClusterState):
@@ -477,27 +500,35 @@ def init_cluster(requests: engine.Trace, params: engine.EngineParams, num_slots:
 
 def run_cluster_from(requests: engine.Trace, draws, params: engine.EngineParams, router: RouterParams,
                      cs: ClusterState, cost_fn: Callable, num_slots: int, queue_shape: Optional[engine.QueueShape],
-                     num_replicas: int) -> ClusterState:
+                     num_replicas: int, cores_axis: Optional[str] = None) -> ClusterState:
     """Continue `cs` up to `params`' horizon (every arrival before it routed, every step that starts before it
     run), under `router` (which may differ from the one before: a controller steers it an interval at a time).
-    Nothing is flushed, so the state stays resumable; stops early when a lane outgrows its tables.
+    Nothing is flushed, so the state stays resumable; stops early when a lane outgrows its tables. Inside a
+    shard_map over ``cores_axis``, `params` and `cs`'s per-lane fields but ``routed`` are this core's lanes
+    (`run_cluster`).
 
     Each iteration routes an arrival, reads the report before one (at most one per arrival) or finishes, so
     2n + 1 iterations end any run: a state left unfinished without outgrowing its tables is a defect
     (`check_finished`), never a loop that does not end."""
     queue = engine.waiting_queue(queue_shape)
     bound = 2 * requests.prompt.shape[0] + 1
+    layout = _Lanes(count=cs.routed.shape[0], local=params.max_num_seqs.shape[0], axis=cores_axis)
+    user_hi, user_lo = (layout.gathered(x).reshape(-1, num_replicas)[:, 0] for x in (params.horizon_hi,
+                                                                                     params.horizon_lo))
 
     def more(carry):
-        cs, iterations = carry
-        return ~jnp.all(cs.finished) & ~_outgrown(cs) & (iterations < bound)
+        cs, iterations, outgrown = carry
+        return ~jnp.all(cs.finished) & ~outgrown & (iterations < bound)
 
     def iterate(carry):
-        cs, iterations = carry
-        cs = _cluster_iteration(requests, draws, params, router, cs, cost_fn, num_slots, queue, num_replicas)
-        return cs, iterations + 1
+        cs, iterations, _ = carry
+        cs, outgrown = _cluster_iteration(requests, draws, params, router, cs, cost_fn, num_slots, queue,
+                                          num_replicas, layout, user_hi, user_lo)
+        return cs, iterations + 1, outgrown
 
-    cs, _ = jax.lax.while_loop(more, iterate, (replace(cs, finished=jnp.zeros_like(cs.finished)), jnp.int32(0)))
+    outgrown = jnp.any(layout.gathered(cs.replicas.slots_filled | cs.replicas.pool_filled))
+    cs, _, _ = jax.lax.while_loop(more, iterate, (replace(cs, finished=jnp.zeros_like(cs.finished)), jnp.int32(0),
+                                                   outgrown))
     return cs
 
 
@@ -508,15 +539,47 @@ def check_finished(cs: ClusterState) -> None:
                            f"(requests routed per config: {np.asarray(cs.next_request).tolist()}); please report it")
 
 
+def _lane_specs(cs: ClusterState, axis: str) -> ClusterState:
+    """How `run_cluster` lays a cluster state out over the cores: every lane's engine, table and prefix cache on
+    its core; the router's state, the lanes' row counts and the workload's units whole on each."""
+    per_lane, whole = PartitionSpec(axis), PartitionSpec()
+    prefix = cs.prefix
+    if prefix is not None:
+        prefix = jax.tree_util.tree_map(lambda _: per_lane, prefix)
+        prefix = replace(prefix, unit_ids=whole, unit_start=whole, unit_count=whole, prompt=whole, unit_tokens=whole)
+    return ClusterState(
+        replicas=jax.tree_util.tree_map(lambda _: per_lane, cs.replicas),
+        traces=jax.tree_util.tree_map(lambda _: per_lane, cs.traces),
+        routed=whole, replica_of=whole, row_of=whole, next_request=whole, routed_count=whole, seen=whole,
+        reported_period=whole, finished=whole, prefix=prefix)
+
+
 def run_cluster(requests: engine.Trace, draws, params: engine.EngineParams, router: RouterParams, cost_fn: Callable,
                 num_slots: int, queue_shape: Optional[engine.QueueShape], num_replicas: int,
-                prefix: Optional[PrefixCaches] = None) -> ClusterState:
+                prefix: Optional[PrefixCaches] = None, across_cores: bool = True) -> ClusterState:
     """Configs' clusters over one workload: `params` per lane (configs × replicas, each config's params
     repeated per replica), `router` per config, `prefix` the lanes' empty prefix caches (None: none caches).
-    Pure; stops early when a lane outgrows its tables."""
+    Pure; stops early when a lane outgrows its tables.
+
+    With ``across_cores`` and a lane count the machine's cores divide, each core steps its share of the lanes
+    (servetune/parallel.py) and the cores exchange what the router reads at every routing event: each lane
+    steps as it would on one core, and every decision is the same."""
     cs = init_cluster(requests, params, num_slots, queue_shape, num_replicas, prefix)
-    cs = run_cluster_from(requests, draws, params, router, cs, cost_fn, num_slots, queue_shape, num_replicas)
-    return replace(cs, replicas=jax.vmap(engine.flush_running)(cs.replicas))
+    lanes = params.max_num_seqs.shape[0]
+
+    def run(params, cs, cores_axis=None):
+        cs = run_cluster_from(requests, draws, params, router, cs, cost_fn, num_slots, queue_shape, num_replicas,
+                              cores_axis)
+        return replace(cs, replicas=jax.vmap(engine.flush_running)(cs.replicas))
+
+    cores = parallel.cores_dividing(lanes) if across_cores else 1
+    if cores == 1:
+        return run(params, cs)
+    specs = _lane_specs(cs, parallel.CORES_AXIS)
+    return jax.shard_map(partial(run, cores_axis=parallel.CORES_AXIS), mesh=parallel.cores_mesh(),
+                         in_specs=(PartitionSpec(parallel.CORES_AXIS), specs), out_specs=specs,
+                         check_vma=False)(params, cs)
 
 
-run_cluster_jit = jax.jit(run_cluster, static_argnames=("cost_fn", "num_slots", "queue_shape", "num_replicas"))
+run_cluster_jit = jax.jit(run_cluster, static_argnames=("cost_fn", "num_slots", "queue_shape", "num_replicas",
+                                                        "across_cores"))
