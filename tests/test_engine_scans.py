@@ -55,7 +55,7 @@ def test_prefix_and_stops_at_the_first_false():
 def test_gains_by_counts_a_block_every_block_size_steps():
     # A decoder whose first new block comes at step 3 has, with 4-token blocks, gained blocks at steps
     # 3, 7, 11, ...: by step t, (t - 3) // 4 + 1 of them, none before step 3 (hand-counted).
-    table = np.asarray(engine._gains_by(jnp.asarray(4, jnp.int32)))
+    table = np.asarray(engine._gains_by(jnp.asarray(4, jnp.int32), engine.LOOKAHEAD_STEPS))
     assert table[3, :12].tolist() == [0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3]
     assert table[0, 0] == 1 and table[5, 4] == 0
 

@@ -51,6 +51,9 @@ SIGNALS = ("queue", "running", "kv_utilization", "prefix_hit")   # what the weig
 # them: it is the router's own reckoning from the requests it sent, exact at every arrival.
 LOAD_SIGNALS = SIGNALS[:3]
 ROUTER_CODE = {name: code for code, name in enumerate(ROUTERS)}
+# The steps a replica's loop iteration may apply at once. Every routing event ends every lane's run, so runs in
+# lock step are a step or two long and a shorter look-ahead than the lone engine's costs less per iteration.
+LOCKSTEP_LOOKAHEAD_STEPS = 16
 
 
 def router_draws(num_requests: int, num_replicas: int, seed: int) -> np.ndarray:
@@ -401,7 +404,8 @@ def _cluster_iteration(requests, draws, params, router, cs: ClusterState, cost_f
     replicas = replace(cs.replicas, ended=jnp.where(running, False, cs.replicas.ended))
     stopped = replace(params, horizon_hi=stop_hi, horizon_lo=stop_lo)
     replicas = engine.while_any_live(
-        lambda p, one, t: engine.iteration(t, p, one, cost_fn, num_slots, queue), stopped, replicas, cs.traces)
+        lambda p, one, t: engine.iteration(t, p, one, cost_fn, num_slots, queue, LOCKSTEP_LOOKAHEAD_STEPS),
+        stopped, replicas, cs.traces)
 
     # What the router sees. A decision taken a step early moves requests between the queue and the seats and
     # takes blocks, which only least_kv and weighted read: the others skip taking it.

@@ -284,16 +284,19 @@ def decided(trace, params, state, num_slots, queue: "WaitingQueue") -> EngineSta
     return choose(decision.active, decision.state, decision.boundary)
 
 
-def iteration(trace, params, state, cost_fn, num_slots, queue: "WaitingQueue"):
+def iteration(trace, params, state, cost_fn, num_slots, queue: "WaitingQueue",
+              lookahead_steps: int = LOOKAHEAD_STEPS):
     """One turn of the loop: the decision at a step boundary, as vLLM's ``Scheduler.schedule()`` takes it, then
     the steps it launches, to the next boundary. ``queue`` is the waiting queue's implementation (`RingQueue`
-    for fcfs, `PoolQueue` for the scored orders), chosen once from the policy: `waiting_queue`."""
+    for fcfs, `PoolQueue` for the scored orders), chosen once from the policy: `waiting_queue`. A run applies at
+    most ``lookahead_steps`` steps (a loop whose runs are cut short anyway costs less with fewer)."""
     d = _decide(trace, params, state, num_slots, queue)
     state, boundary, tokens = d.state, d.boundary, d.tokens
     # -- 6. the scheduled step and the run of steps of its shape after it (else 5. idle) -----------------
     busy = _any(tokens > 0)
     front_blocks = queue.front_blocks(params, d.front, d.admitted, d.preempted, num_slots)
-    stepped = _advance(trace, params, state, state.slots, tokens, cost_fn, num_slots, queue, front_blocks)
+    stepped = _advance(trace, params, state, state.slots, tokens, cost_fn, num_slots, queue, front_blocks,
+                       lookahead_steps)
     # A decision taken a step early that schedules nothing is taken again now, on what this boundary sees
     # (with nothing scheduled `_advance` only drops the requests that left).
     retaken = replace(state, slots=stepped.slots, num_running=stepped.num_running,
@@ -1358,8 +1361,8 @@ def _waiting_pass(trace, params, state, front: Front, slots, budget_left, free, 
 # Executing scheduled steps
 # ---------------------------------------------------------------------------------------------
 class LookAhead(NamedTuple):
-    """The scheduled step (step 0) and the shape of the steps 1 .. LOOKAHEAD_STEPS - 1 that could follow it.
-    Per slot unless it says per step (arrays of LOOKAHEAD_STEPS, index j)."""
+    """The scheduled step (step 0) and the shape of the steps 1 .. lookahead_steps - 1 that could follow it.
+    Per slot unless it says per step (arrays of lookahead_steps, index j)."""
 
     j: jnp.ndarray                # per step: its index
     zero: jnp.ndarray             # per step: it is step 0
@@ -1436,7 +1439,8 @@ class Compacted(NamedTuple):
     free_blocks: jnp.ndarray
 
 
-def _advance(trace, params, state, slots, tokens, cost_fn, num_slots, queue: "WaitingQueue", front_blocks):
+def _advance(trace, params, state, slots, tokens, cost_fn, num_slots, queue: "WaitingQueue", front_blocks,
+             lookahead_steps):
     """Run the scheduled step, then the steps that follow it before any event.
 
     After the scheduled step (step 0) the next steps repeat its shape while every running request fits
@@ -1448,10 +1452,10 @@ def _advance(trace, params, state, slots, tokens, cost_fn, num_slots, queue: "Wa
     boundary sees), so the run goes through the others. It stops before the step at whose boundary a
     request could be admitted (one waits, or has arrived, and a seat and budget are free), after the
     prefilling request's last chunk, at the horizon, when the KV cache could not hold the step, or after
-    LOOKAHEAD_STEPS. With nothing scheduled (all `tokens` zero) it writes nothing to the request table or
+    `lookahead_steps`. With nothing scheduled (all `tokens` zero) it writes nothing to the request table or
     histogram.
     """
-    look = _look_ahead(params, state, slots, tokens, num_slots)
+    look = _look_ahead(params, state, slots, tokens, num_slots, lookahead_steps)
     times = _step_times(params, cost_fn, look.batch)
     run = _run_length(trace, params, state, slots, look, times, queue, front_blocks)
     gaps = _gap_statistics(state, slots, look, times, run)
@@ -1475,7 +1479,7 @@ def _advance(trace, params, state, slots, tokens, cost_fn, num_slots, queue: "Wa
     )
 
 
-def _look_ahead(params, state, slots, tokens, num_slots) -> LookAhead:
+def _look_ahead(params, state, slots, tokens, num_slots, lookahead_steps) -> LookAhead:
     """Step 0 as scheduled, and who takes part in each step after it, with what: the look-ahead."""
     pos = jnp.arange(num_slots, dtype=i32)
     running = pos < state.num_running
@@ -1503,13 +1507,13 @@ def _look_ahead(params, state, slots, tokens, num_slots) -> LookAhead:
     # Requests that left as this step was scheduled (async) take no part: dropped at the end.
     left_before = running & slots.leaving
     decoder = running & ~is_prefill & ~left_before
-    j = jnp.arange(LOOKAHEAD_STEPS, dtype=i32)
+    j = jnp.arange(lookahead_steps, dtype=i32)
     zero = j == 0
     left = slots.output - generated0                       # tokens to emit after step 0 (0: it finished there)
     # Decoders by what they have left (capped: j never exceeds the look-ahead), then, for step j, the count,
     # contexts and blocks of those that take part in it: a suffix sum over what they have left.
-    left_bin = jnp.where(decoder, jnp.minimum(left, LOOKAHEAD_STEPS - 1), LOOKAHEAD_STEPS)
-    by_left = jnp.zeros((LOOKAHEAD_STEPS, 3), i32).at[left_bin].add(
+    left_bin = jnp.where(decoder, jnp.minimum(left, lookahead_steps - 1), lookahead_steps)
+    by_left = jnp.zeros((lookahead_steps, 3), i32).at[left_bin].add(
         jnp.stack([jnp.ones_like(computed0), computed0, slots.blocks], axis=1), mode="drop")
     taking_part = _suffix_sums(by_left)
     decodes, contexts, held = taking_part[:, 0], taking_part[:, 1], taking_part[:, 2]
@@ -1563,9 +1567,10 @@ def _look_ahead(params, state, slots, tokens, num_slots) -> LookAhead:
 
 def _step_times(params, cost_fn, batch: StepBatch) -> StepTimes:
     """Every look-ahead step costed by the cost model at once."""
-    durations = jnp.broadcast_to(cost_fn(params.cost, batch), (LOOKAHEAD_STEPS,)).astype(f32)
+    steps = batch.num_prefill_seqs.shape[0]
+    durations = jnp.broadcast_to(cost_fn(params.cost, batch), (steps,)).astype(f32)
     # Both running sums in one scan (a float scan is several kernels; the columns do not mix).
-    from_two = jnp.arange(LOOKAHEAD_STEPS) >= 2
+    from_two = jnp.arange(steps) >= 2
     sums = jnp.cumsum(jnp.stack([durations, jnp.where(from_two, durations * durations, 0.0)], axis=1), axis=0)
     ends = sums[:, 0]
     return StepTimes(durations=durations, starts=ends - durations, ends=ends, squares_from_two=sums[:, 1])
@@ -1611,9 +1616,9 @@ def _run_length(trace, params, state, slots, look: LookAhead, times: StepTimes, 
     # where the bound says is exact (the next iteration schedules that step in full) and only ends a run
     # early when the cache is nearly full.
     spare = _table_blocks(slots) * params.block_size - look.computed
-    first_gain = jnp.zeros(LOOKAHEAD_STEPS, i32).at[jnp.where(look.decoder, spare + 1, LOOKAHEAD_STEPS)].add(
-        1, mode="drop")
-    need_bound = look.held + _sum(_gains_by(params.block_size) * first_gain[:, None])
+    steps = look.j.shape[0]
+    first_gain = jnp.zeros(steps, i32).at[jnp.where(look.decoder, spare + 1, steps)].add(1, mode="drop")
+    need_bound = look.held + _sum(_gains_by(params.block_size, steps) * first_gain[:, None])
     repeatable = zero | (look.continues & (look.members > 0) & ~admits & ~look.past_prefill & (starts < to_horizon)
                          & (need_bound <= params.usable_kv_blocks))
     if slots.skipped is not None:
@@ -1648,7 +1653,7 @@ def _window_frees_at(params, slots, look: LookAhead):
     j = look.j
     first_free = ((slots.skipped + 1) * params.block_size + params.sliding_window - look.computed
                   + params.pipelined.astype(i32))
-    soonest = jnp.min(jnp.where(look.decoder, first_free, LOOKAHEAD_STEPS))
+    soonest = jnp.min(jnp.where(look.decoder, first_free, j.shape[0]))
     last = jnp.maximum(_sum(look.running) - 1, 0)
     chunked_before = _exclusive_cumsum(jnp.where(look.in_prefill, look.chunk, 0))
     prefill_frees = look.prefill_repeats & (
@@ -1736,10 +1741,11 @@ def _kv_integral(params, state, blocks0, blocks, look: LookAhead, times: StepTim
     durations, ends = times.durations, times.ends
     new_blocks = blocks - blocks0
     strided = _strided_sums(ends, params.block_size)
-    last_gain = jnp.clip(run.spare + (new_blocks - 1) * params.block_size, 0, LOOKAHEAD_STEPS - 1)
+    last_step = look.j.shape[0] - 1
+    last_gain = jnp.clip(run.spare + (new_blocks - 1) * params.block_size, 0, last_step)
     before_first = run.spare - params.block_size
     gained_at = (strided[last_gain]
-                 - jnp.where(before_first >= 0, strided[jnp.clip(before_first, 0, LOOKAHEAD_STEPS - 1)], 0.0))
+                 - jnp.where(before_first >= 0, strided[jnp.clip(before_first, 0, last_step)], 0.0))
     block_seconds = blocks.astype(f32) * ends[run.through] - jnp.where(new_blocks > 0, gained_at, 0.0)
     # These float sums stay jnp.sum: through `_sum` they round differently (measured on the Azure trace).
     prefill_block_seconds = jnp.sum(jnp.where(run.mask, look.prefill_blocks.astype(f32) * durations, 0.0))
@@ -1781,11 +1787,11 @@ def _batch_summary(slots: Slots, tokens):
     return StepBatch(**{name: totals[k] for k, name in enumerate(terms)})
 
 
-def _gains_by(block_size):
+def _gains_by(block_size, steps):
     """[s, t]: the blocks a decoder whose first new block comes at look-ahead step s has gained by step t (one
     every block_size steps). It depends on the block size alone, so XLA computes it once, outside the loop."""
-    s = jnp.arange(LOOKAHEAD_STEPS, dtype=i32)[:, None]
-    t = jnp.arange(LOOKAHEAD_STEPS, dtype=i32)[None, :]
+    s = jnp.arange(steps, dtype=i32)[:, None]
+    t = jnp.arange(steps, dtype=i32)[None, :]
     return jnp.where(t >= s, (t - s) // block_size + 1, 0)
 
 
