@@ -69,14 +69,15 @@ class BatchEvaluator:
         for index, config in enumerate(resolved):
             workload = self.workload(config)
             runnable.append(_runnable(config, workload))
-            # Configs that try the same slot tables run as one batch.
+            # Configs that try the same slot tables run as one batch; a batch is judged by one SLO (scenarios may
+            # set their own over one workload), which the edf order reads too.
             if _replicas(config) > 1:
                 engines = self._engine_groups(config, workload)
                 slots = tuple(slot_schedule([engine.scheduler for engine in engines]))
-                key = (config.workload, config.simulation.horizon_s, _replicas(config), slots)
+                key = (config.workload, config.slo, config.simulation.horizon_s, _replicas(config), slots)
             else:
                 slots = tuple(slot_schedule([runnable[-1].scheduler]))
-                key = (config.workload, config.simulation.horizon_s, self._cost_model(config)[0], slots)
+                key = (config.workload, config.slo, config.simulation.horizon_s, self._cost_model(config)[0], slots)
             groups.setdefault(key, []).append(index)
         for indices in groups.values():
             simulate = self._simulate_clusters if _replicas(resolved[indices[0]]) > 1 else self._simulate
@@ -93,7 +94,7 @@ class BatchEvaluator:
         first = runnable[0]
         workload = self.workload(first)
         cost_fn = self._cost_model(first)[0]
-        # Class SLOs belong to the workload's tenants, which every config of a batch shares.
+        # Every config of a batch shares its workload (its tenants' class SLOs) and its SLO.
         slos = per_request_slos(first, workload)
         outcomes = simulate_many(workload, [c.scheduler for c in runnable], cost_fn,
                                  [self._cost_model(c)[1] for c in runnable], first.simulation.horizon_s,

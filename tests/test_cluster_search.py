@@ -168,6 +168,20 @@ def test_clusters_evaluated_in_one_batch_score_as_each_alone():
     assert len({metrics["p99_ttft_ms"] for _, metrics in together}) == len(configs), "the clusters ran alike"
 
 
+@pytest.mark.parametrize("replicas, router", [(1, "round_robin"), (3, "least_outstanding")])
+def test_configs_that_differ_in_their_slo_score_against_their_own_in_one_evaluate_call(replicas, router):
+    """Scenarios may set their own SLO over one workload: evaluated in one call, each config is judged (and an
+    edf queue ordered) by its own SLO, exactly as alone."""
+    data = _seats_data(replicas=replicas, router=router)
+    configs = [config_from_dict({**data, "slo": {**data["slo"], "ttft_ms": ttft_ms}}, source="c.yaml")
+               for ttft_ms in (1e7, TTFT_SLO_S * 1e3 / 4)]
+    together = BatchEvaluator().evaluate(configs)
+    for config, (_, metrics) in zip(configs, together):
+        [(_, alone)] = BatchEvaluator().evaluate([config])
+        assert metrics == alone, config.slo
+    assert together[0][1]["slo_attainment"] > together[1][1]["slo_attainment"]
+
+
 def test_a_tiny_cluster_study_finds_the_cheapest_deployment_that_meets_the_slo(tmp_path):
     """Six trials over replicas and router: goodput per GPU is goodput over the replicas, and the best is the
     fewest replicas that keep up (4), whose goodput is every request over the run."""
