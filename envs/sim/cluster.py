@@ -12,8 +12,8 @@ router") states the rules, and ``envs/sim/cluster_reference.py`` states them as 
   taken no decision at or after t. Under async scheduling the decision the step after it runs was taken a
   step early, before t; the router sees it taken (`_decided_view`). Then the router takes the arrival (or,
   with ``signal_delay_s``, the reports it reads, the last one at or before the arrival).
-* Lanes are configs × replicas (lane ``c · R + r``), stepped together by one vmapped engine iteration; the
-  router's decisions are vectorised over configs.
+* Lanes are configs × replicas (lane ``c · R + r``), stepped together by one vmapped engine iteration, each
+  core stepping its share of them (`run_cluster`); the router's decisions are vectorised over configs.
 
 Signals per replica, as the router reads them: ``queue``, requests waiting (those routed to it and not
 yet taken in included); ``running``, requests seated; ``kv_utilization``, the share of its usable KV blocks
