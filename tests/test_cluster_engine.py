@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 
@@ -23,7 +24,7 @@ from test_differential import draw_group, differences
 from test_queueing import ONE_SEAT, STEP_S, assert_matches_theory, single_tokens
 from servetune.config import ClusterConfig
 from servetune.cost_models.linear import step_time_s
-from servetune.envs.sim import cluster_simulator
+from servetune.envs.sim import cluster_simulator, engine
 from servetune.envs.sim.cluster_reference import simulate_cluster_reference
 from servetune.envs.sim.cluster_simulator import simulate_cluster
 from servetune.envs.sim.outcome import COMPLETED, NOT_ROUTED, REJECT_TENANT_RATE, REJECTED
@@ -143,6 +144,39 @@ def mean_ttft_after_warmup(workload: Workload, outcome) -> float:
     assert np.all(requests.status == COMPLETED)
     kept = slice(THEORY_WARMUP, None)
     return float(np.mean(requests.first_token_s[kept] - workload.arrival_s[kept]))
+
+
+def test_ending_a_replica_at_its_stop_without_another_iteration_changes_nothing(monkeypatch):
+    """In lock step a replica that reaches the router's next event with no arrival due is marked ended at once
+    (engine.ended_at_horizon), instead of by one more iteration that would do only that. Behind a router that
+    reads every signal, with static batching, async scheduling, horizons and a scored queue (whose pool the
+    skipped iteration would have compacted), every outcome must be bit for bit the loop's that runs the
+    iteration. (fcfs's lock step, with the skip, is the differential test's against the reference cluster.)"""
+    cases = [dataclasses.replace(case, scheduler=dataclasses.replace(case.scheduler, queue_order="sjf"))
+             for case in draw_group(20_001)[:3]]
+    assert {case.scheduler.policy for case in cases} == {"static", "continuous"}
+    assert any(case.scheduler.pipelined for case in cases)
+
+    def run_all():
+        jax.clear_caches()   # the compiled cluster is traced with whichever engine.ended_at_horizon is in force
+        return [simulate_cluster(case.workload, case.scheduler, cluster("weighted", 2, 0.0625, 1), step_time_s,
+                                 case.cost, case.horizon_s) for case in cases]
+
+    skipping = run_all()
+    monkeypatch.setattr(engine, "ended_at_horizon", lambda trace, params, state: state)
+    try:
+        iterating = run_all()
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    for case, a, b in zip(cases, skipping, iterating):
+        np.testing.assert_array_equal(a.replica, b.replica, err_msg=case.describe())
+        for x, y in zip((a.outcome, *a.replicas), (b.outcome, *b.replicas)):
+            for part in ("requests", "totals"):
+                for field in dataclasses.fields(getattr(x, part)):
+                    np.testing.assert_array_equal(getattr(getattr(x, part), field.name),
+                                                  getattr(getattr(y, part), field.name),
+                                                  err_msg=f"{part}.{field.name}: {case.describe()}")
 
 
 def test_random_routing_makes_each_one_seat_replica_md1_at_its_share_of_the_rate():

@@ -404,7 +404,8 @@ def _cluster_iteration(requests, draws, params, router, cs: ClusterState, cost_f
     replicas = replace(cs.replicas, ended=jnp.where(running, False, cs.replicas.ended))
     stopped = replace(params, horizon_hi=stop_hi, horizon_lo=stop_lo)
     replicas = engine.while_any_live(
-        lambda p, one, t: engine.iteration(t, p, one, cost_fn, num_slots, queue, LOCKSTEP_LOOKAHEAD_STEPS),
+        lambda p, one, t: engine.ended_at_horizon(
+            t, p, engine.iteration(t, p, one, cost_fn, num_slots, queue, LOCKSTEP_LOOKAHEAD_STEPS)),
         stopped, replicas, cs.traces)
 
     # What the router sees. A decision taken a step early moves requests between the queue and the seats and
