@@ -46,7 +46,7 @@ def random_steps(n: int, seed: int) -> cs.StepRows:
 
 
 def true_times(rows: cs.StepRows, truth: Calibration, tp: int) -> np.ndarray:
-    return np.asarray(cal.predict(cs.steps_dataset(rows, LLAMA_7B, A100, tp), truth, A100), dtype=np.float64)
+    return cal.predicted_times(cs.steps_dataset(rows, LLAMA_7B, A100, tp), truth, A100).astype(np.float64)
 
 
 def write_csv(path: Path, rows: cs.StepRows, times_s: np.ndarray) -> Path:
@@ -312,7 +312,7 @@ def test_each_profile_on_the_gpu_it_was_not_fitted_on():
         steps = cal.assemble_layer_steps(raw, 32, gpu, tp=1)
         assert [d.kind for d in steps] == ["layer_step"] and len(steps[0].measured_s) == 261
         for name, calibration in (("a100", a100), ("h100", h100)):
-            predicted = np.asarray(cal.predict(steps[0], calibration, gpu))
+            predicted = cal.predicted_times(steps[0], calibration, gpu)
             errors[key, name] = cal.error_summary(steps[0].measured_s, predicted)["mape_pct"]
     assert errors["a100", "a100"] < 8 and errors["h100", "h100"] < 8
     # across GPUs: fractions of a different datasheet peak, worse but within the 12% for the uncalibrated

@@ -47,7 +47,7 @@ def synthetic_datasets(truth: Calibration) -> list[cal.Dataset]:
                     key_space="bytes"),
         cal.Dataset("host", "host", np.zeros(len(tokens)), tokens.astype(int), {"seqs": tokens}),
     ]
-    return [dataclasses.replace(d, measured_s=np.asarray(cal.predict(d, truth, A100), dtype=np.float64))
+    return [dataclasses.replace(d, measured_s=cal.predicted_times(d, truth, A100).astype(np.float64))
             for d in datasets]
 
 
@@ -98,11 +98,11 @@ def test_a_step_data_set_fits_whole_steps():
                          np.zeros(rows))
     datasets = [cal.Dataset(name, "step", np.zeros(rows), sizes.astype(int), {"params": params, "batch": b})
                 for name, b in (("decode", decodes), ("prefill", prefills))]
-    datasets = [dataclasses.replace(d, measured_s=np.asarray(cal.predict(d, TRUE, A100), np.float64))
+    datasets = [dataclasses.replace(d, measured_s=cal.predicted_times(d, TRUE, A100).astype(np.float64))
                 for d in datasets]
     fitted = cal.fit(datasets, A100)
     for d in datasets:
-        assert cal.error_summary(d.measured_s, np.asarray(cal.predict(d, fitted, A100)))["mape_pct"] < 0.5
+        assert cal.error_summary(d.measured_s, cal.predicted_times(d, fitted, A100))["mape_pct"] < 0.5
 
 
 def test_profiles_round_trip_and_bad_ones_are_user_errors(tmp_path):
@@ -172,7 +172,7 @@ def test_vidur_files_load_into_data_sets_and_steps():
     assert decode.measured_s[one][0] == pytest.approx(9.9e-3, rel=0.03)
     calibration, _ = load_profile(shipped_profiles()[0])
     for d in steps:
-        assert cal.error_summary(d.measured_s, np.asarray(cal.predict(d, calibration, A100)))["mape_pct"] < 7.0
+        assert cal.error_summary(d.measured_s, cal.predicted_times(d, calibration, A100))["mape_pct"] < 7.0
     assert len(cal.load_vidur_allreduce(vidur / "network/a100_dgx/all_reduce.csv").measured_s) == 2982
     host = cal.load_vidur_host(vidur / "cpu_overheads/a100/cpu_overheads.csv", "meta-llama/Llama-2-7b-hf")
     # one data set per host phase: every model's rows, but only Llama-2-7B's 13 for the sampler

@@ -205,7 +205,7 @@ def _held_out_errors(datasets, gpu, names, folds=5, initial=Calibration()):
         fitted = cal.fit([d.subset(a != k) for d, a in zip(datasets, assignment)], gpu, initial, names)
         for i, (d, a) in enumerate(zip(datasets, assignment)):
             if (a == k).any():
-                predictions[i][a == k] = np.asarray(cal.predict(d.subset(a == k), fitted, gpu))
+                predictions[i][a == k] = cal.predicted_times(d.subset(a == k), fitted, gpu)
     return predictions
 
 
@@ -251,4 +251,4 @@ def test_host_phases_fit_against_vidur_cpu_overheads():
     measured = sum(d.measured_s if len(d.measured_s) == 13 else d.measured_s[llama] for d in datasets)
     batch = datasets[2].features["seqs"]
     total = cal.Dataset("host", "host", measured, batch.astype(int), {"seqs": batch})
-    assert cal.error_summary(measured, np.asarray(cal.predict(total, fitted, A100)))["mape_pct"] < 3.0
+    assert cal.error_summary(measured, cal.predicted_times(total, fitted, A100))["mape_pct"] < 3.0

@@ -101,7 +101,7 @@ def test_a_hidden_split_kv_regime_is_recovered_to_1_percent():
     hidden = Calibration(split_kv_max_work=3840.0, split_kv_memory_efficiency=0.42, attention_memory_efficiency=0.77,
                          per_step_overhead_s=2e-3)
     dataset = cs.steps_dataset(rows, OPT_13B, A100, 1)
-    rows.step_time_s = np.asarray(cal.predict(dataset, hidden, A100), dtype=np.float64)
+    rows.step_time_s = cal.predicted_times(dataset, hidden, A100).astype(np.float64)
     # a starting profile with vLLM 0.2's rule on (threshold 512) asks for the search, as --initial does
     result = cs.calibrate_steps(rows, OPT_13B, A100, 1, Calibration(split_kv_max_work=512.0), folds=2,
                                 token_tiles=(1,))
@@ -147,7 +147,7 @@ def test_the_command_fits_the_regime_when_asked_and_says_where_it_switches(tmp_p
     rows = grid_steps()
     hidden = Calibration(split_kv_max_work=3840.0, split_kv_memory_efficiency=0.42, attention_memory_efficiency=0.77,
                          per_step_overhead_s=2e-3)
-    times_ms = np.asarray(cal.predict(cs.steps_dataset(rows, OPT_13B, A100, 1), hidden, A100)) * 1e3
+    times_ms = cal.predicted_times(cs.steps_dataset(rows, OPT_13B, A100, 1), hidden, A100) * 1e3
     steps = tmp_path / "steps.csv"
     lines = ["prefill_tokens,decode_requests,context_tokens,step_time_ms"]
     lines += [f"{p:g},{d:g},{c:g},{t!r}" for p, d, c, t in zip(rows.prefill_tokens, rows.decode_requests,
