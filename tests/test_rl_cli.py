@@ -24,6 +24,10 @@ CHAT = "examples/chat.yaml"
 SMALL = ["--set", "rl.episode_s=10", "--set", "rl.bounds={max_num_seqs: [1, 32]}", "--set", "rl.num_steps=10",
          "--set", "rl.num_minibatches=2", "--set", "rl.num_workloads=2", "--set", "rl.checkpoint_every=1"]
 CONFIG_OVERRIDES = SMALL[1::2]
+# eval-policy's best static config by goodput at the configured load, not by chat.yaml's capacity: a capacity study
+# bisects every trial's rate over a dozen rounds of simulations of ever fewer trials, each new batch width its own
+# compiled engine, and no test here reads the capacity. The search section is outside the policy's hash.
+STATIC_BY_GOODPUT = ["--set", "search.objectives=[goodput]"]
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +79,8 @@ def test_eval_policy_compares_on_held_out_episodes(trained, tmp_path, capsys, mo
     # baselines rather than record them out of range.
     narrow = ["--set", "search.knobs={scheduler.max_num_seqs: {low: 1, high: 32}}"]
     rollouts_before = evaluate._run._cache_size()
-    code = main(["eval-policy", str(trained / POLICY_FILE), CHAT, *SMALL, *narrow, "--seeds", "2",
-                 "--static-trials", "4", "--storage", str(tmp_path / "s.db"), "--out", str(out)])
+    code = main(["eval-policy", str(trained / POLICY_FILE), CHAT, *SMALL, *narrow, *STATIC_BY_GOODPUT,
+                 "--seeds", "2", "--static-trials", "4", "--storage", str(tmp_path / "s.db"), "--out", str(out)])
     assert code == 0
     # Five contenders, two worlds (the policy's knob bounds and the default ones): two compiled rollouts.
     assert evaluate._run._cache_size() - rollouts_before <= 2
@@ -195,8 +199,9 @@ def test_a_policy_trained_in_one_clone_is_evaluated_and_exported_in_another(tmp_
     assert str(tmp_path) not in policy.metadata["config"] + policy.metadata["config_path"]
     assert policy.config_hash == policy_hash(load_config(there / "chat.yaml", CONFIG_OVERRIDES))
     capsys.readouterr()
-    assert main(["eval-policy", str(there / "rl" / POLICY_FILE), str(there / "chat.yaml"), *SMALL, "--seeds", "1",
-                 "--static-trials", "1", "--storage", str(tmp_path / "s.db")]) == 0, capsys.readouterr().err
+    assert main(["eval-policy", str(there / "rl" / POLICY_FILE), str(there / "chat.yaml"), *SMALL, *STATIC_BY_GOODPUT,
+                 "--seeds", "1", "--static-trials", "1", "--storage", str(tmp_path / "s.db")]) == 0, \
+        capsys.readouterr().err
     exported = tmp_path / "p.vllm.yaml"
     assert main(["export", "--policy", str(there / "rl" / POLICY_FILE), "--seeds", "1", "--out",
                  str(exported)]) == 0, capsys.readouterr().err
