@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +26,7 @@ from servetune.config import ClusterConfig
 from servetune.config_loader import config_from_dict
 from servetune.cost_models.linear import step_time_s
 from servetune.envs.sim import cluster as lockstep
+from servetune.envs.sim import cluster_simulator
 from servetune.envs.sim.cluster_reference import simulate_cluster_reference
 from servetune.envs.sim.cluster_simulator import simulate_cluster
 from servetune.envs.sim.prefix_cache import capacity_units, prefix_hits
@@ -326,8 +326,9 @@ def test_lanes_split_across_cores_step_as_they_do_on_one_core(monkeypatch, route
     workload = with_prefix_groups(case.workload, rng, groups=3)
     scheduler = dataclasses.replace(case.scheduler, enable_prefix_caching=True)
     config = cluster(router, 4, delay, 20_700, weights)
+    monkeypatch.setattr(cluster_simulator, "SPLIT_LANES_FROM", 2)
     split = simulate_cluster(workload, scheduler, config, step_time_s, case.cost, case.horizon_s)
-    monkeypatch.setattr(lockstep, "run_cluster_jit", functools.partial(lockstep.run_cluster_jit, across_cores=False))
+    monkeypatch.setattr(cluster_simulator, "SPLIT_LANES_FROM", 10**9)
     one_core = simulate_cluster(workload, scheduler, config, step_time_s, case.cost, case.horizon_s)
     np.testing.assert_array_equal(split.replica, one_core.replica)
     assert len(set(split.replica[split.replica >= 0].tolist())) == 4   # every core's lanes were routed to

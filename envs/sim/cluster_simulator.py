@@ -148,6 +148,11 @@ def _lockstep_key(groups: Sequence[EngineGroup], cluster: ClusterConfig) -> tupl
 # examples/cluster.yaml took 35 s one cluster a call, 33 s at four lanes, 47 s at eight. So 2-replica clusters
 # step in pairs and larger ones alone, and each replica count's calls have one width, compiled once.
 LOCKSTEP_LANES = 4
+# The fewest lanes a lock-step call splits across the cores (`cluster.run_cluster`). A split call exchanges the
+# router's readings at every arrival and compiles more slowly: 8 replicas of bench_cluster ran about 1.7 times
+# faster on two cores, while a cold 200-trial study of examples/cluster.yaml, whose calls hold 2-4 lanes, took
+# 331 s split against 268 s on one core.
+SPLIT_LANES_FROM = 8
 
 
 def _lockstep_runs(workload, members, horizon_s, slos, refused):
@@ -188,7 +193,8 @@ def _lockstep_runs(workload, members, horizon_s, slos, refused):
             prefix = lockstep.prefix_caches(workload, rows, [kv for m in batch for kv in lanes_kv[m]])
             shape = queue_shape_for(workload, is_scored(first_groups[0].scheduler), num_slots, pool_size)
             state = jax.device_get(lockstep.run_cluster_jit(trace, draws, params, router, cost_fn, num_slots, shape,
-                                                            num_replicas, prefix))
+                                                            num_replicas, prefix,
+                                                            across_cores=width * num_replicas >= SPLIT_LANES_FROM))
             slots_full = np.asarray(state.replicas.slots_filled).reshape(width, num_replicas).any(axis=1)
             pool_full = np.asarray(state.replicas.pool_filled).reshape(width, num_replicas).any(axis=1)
             # A lane that outgrows its tables stops the whole call: the members it stopped unfinished run again,
