@@ -29,7 +29,8 @@ def workload(n=160, seed=7) -> Workload:
 def test_a_run_continued_interval_by_interval_is_the_run_in_one_go(router, delay_s):
     w = workload()
     scheduler = scheduler_config(max_num_seqs=6, max_num_batched_tokens=512, num_kv_blocks=160)
-    trace = padded_trace(device_trace(w, 0.0, None, None), request_rows(w.num_requests))
+    # On the device: the runs below are called unjitted, and their loops index the trace with traced values.
+    trace = jax.device_put(padded_trace(device_trace(w, 0.0, None, None), request_rows(w.num_requests)))
     draws = jnp.asarray(np.concatenate([lockstep.router_draws(w.num_requests, REPLICAS, 0),
                                         np.zeros((request_rows(w.num_requests) - w.num_requests, 2), np.int32)]))
     cost_fn, cost_params = step_time_s, linear(0.01, 2e-5, 1e-6)

@@ -33,7 +33,9 @@ INT32_MAX = 2**31 - 1
 
 def device_trace(workload: Workload, length_prediction_noise: float = 0.0,
                  ttft_slo_ms: Optional[np.ndarray] = None, rate_limited: Optional[np.ndarray] = None) -> engine.Trace:
-    """The workload as device arrays; arrival times split into float32 hi + lo parts.
+    """The workload as the engine's columns, host arrays of the engine's dtypes (jit moves them to the device:
+    converting or padding them there would compile an XLA program per length); arrival times split into float32
+    hi + lo parts.
 
     ``ttft_slo_ms`` (per request, +inf for none; envs/workload/slos.py) sets the deadlines the edf order reads;
     ``rate_limited`` (per request; envs/workload/admission.py) marks the arrivals tenants' rate limits refuse.
@@ -44,19 +46,19 @@ def device_trace(workload: Workload, length_prediction_noise: float = 0.0,
     closed_loop = {}
     if workload.closed_loop:
         first_call = np.flatnonzero(np.diff(workload.session, prepend=-1))
-        closed_loop = dict(session=jnp.asarray(workload.session, jnp.int32),
-                           think=jnp.asarray(workload.think_s, jnp.float32),
-                           first_call=jnp.asarray(first_call, jnp.int32))
+        closed_loop = dict(session=np.asarray(workload.session, np.int32),
+                           think=np.asarray(workload.think_s, np.float32),
+                           first_call=np.asarray(first_call, np.int32))
     return engine.Trace(
-        arrival_hi=jnp.asarray(hi), arrival_lo=jnp.asarray(lo),
-        prompt=jnp.asarray(workload.prompt_tokens, jnp.int32),
-        output=jnp.asarray(workload.output_tokens, jnp.int32),
-        arrival_rel=jnp.asarray(relative_arrivals_s(workload)),
-        tenant=jnp.asarray(workload.tenant, jnp.int32),
-        priority=jnp.asarray(workload.priority, jnp.float32),
-        predicted_output=jnp.asarray(predicted_output_tokens(workload, length_prediction_noise), jnp.float32),
-        ttft_budget=jnp.asarray(ttft_budgets_s(ttft_slo_ms), jnp.float32),
-        rate_limited=jnp.asarray(np.zeros(workload.num_requests, bool) if rate_limited is None else rate_limited),
+        arrival_hi=hi, arrival_lo=lo,
+        prompt=np.asarray(workload.prompt_tokens, np.int32),
+        output=np.asarray(workload.output_tokens, np.int32),
+        arrival_rel=relative_arrivals_s(workload),
+        tenant=np.asarray(workload.tenant, np.int32),
+        priority=np.asarray(workload.priority, np.float32),
+        predicted_output=np.asarray(predicted_output_tokens(workload, length_prediction_noise), np.float32),
+        ttft_budget=ttft_budgets_s(ttft_slo_ms),
+        rate_limited=np.zeros(workload.num_requests, bool) if rate_limited is None else np.asarray(rate_limited, bool),
         **closed_loop,
     )
 
@@ -90,7 +92,7 @@ def padded_trace(trace: engine.Trace, rows: int) -> engine.Trace:
     def pad(name, column):
         if column is None or name not in fill:
             return column
-        return jnp.concatenate([column, jnp.full(extra, fill[name], column.dtype)])
+        return np.concatenate([column, np.full(extra, fill[name], column.dtype)])
 
     return engine.Trace(**{f.name: pad(f.name, getattr(trace, f.name)) for f in dataclasses.fields(trace)})
 
