@@ -2,8 +2,7 @@
 
 Peak FLOP/s are the *dense* BF16/FP16 tensor-core figures (the datasheets print the 2:4-sparsity figure
 first; dense is half of it). Memory sizes are the datasheet GB taken as GiB, because HBM and GDDR come
-in binary capacities; the driver keeps a few hundred MiB to 2 GiB of that, so the KV-cache sizing reads
-``memory_gib_reported``, what the device reports to vLLM ([REPORTED]), where it is known.
+in binary capacities; the driver keeps a few hundred MiB of that, which the KV-capacity reserve covers.
 Interconnect is the per-GPU *bidirectional* bandwidth the datasheet quotes (NVLink where the board has it
 on every GPU, otherwise the PCIe slot); one direction carries half of it.
 
@@ -40,16 +39,6 @@ Sources (NVIDIA datasheets unless noted):
           (5,229.8 sparse); 192GB HBM3 5.3 TB/s; 7 Infinity Fabric links of 128 GB/s each, 896 GB/s in all. The
           links join each GPU to each of 7 peers, so a TP group of 2 or 4 uses 1 or 3 of them: the roofline's
           all-reduce, which takes the 896 GB/s, is optimistic below TP 8 on this GPU.
-  [REPORTED] What the device reports (``torch.cuda.mem_get_info``'s total, which vLLM multiplies by
-          ``gpu_memory_utilization``), as vLLM's start-up log prints it, "the current vLLM instance can use
-          total_gpu_memory (X GiB) x gpu_memory_utilization ...": H100 SXM 80GB 79.22 GiB (vLLM pull request
-          10511, youkaichao's sanity check on an H100); A100 SXM 80GB 79.15 GiB, L40S 44.39 GiB and a 24 GB
-          card 22.06 GiB (vLLM 0.7-0.8 start-up logs quoted in public GitHub files; the search index's file ids
-          6934259882 and 62752965317 for the A100, 60430572081 for the L40S and 60663571995 for the 24 GB card,
-          whose logs run the same 2.88 GB model on an L40S and on it); B200 178.35 GiB ([B200]). That log does
-          not name its 24 GB card; the L4 and the A10G both take 22.06, the figure servetune's issue 41 read in
-          their start-up logs. A GPU
-          without a reported figure falls back to its datasheet figure, with a warning naming the field.
   FP8 and INT8 (same datasheets, dense = half the sparse figure): A100 INT8 624 TOPS; H100 SXM FP8 and INT8
   1,979; H100 PCIe 1,513; H200 1,979; L40S 733; L4 242.5; A40 INT8 299.3. AWS gives no INT8 figure for A10G.
 """
@@ -77,22 +66,6 @@ class GpuSpec:
     # before Hopper/Ada), so FP8 matmuls there fall back to weight-only kernels at the BF16 rate.
     peak_fp8_flops_per_s: Optional[float] = None
     peak_int8_ops_per_s: Optional[float] = None
-    # Device memory as the GPU reports it to PyTorch, GiB ([REPORTED]); None: not known, use memory_bytes.
-    memory_gib_reported: Optional[float] = None
-
-    @property
-    def reported_memory_bytes(self) -> float:
-        """What vLLM sizes the KV cache from: the reported total, or the datasheet figure where none is known
-        (``reported_memory_warning`` says so)."""
-        return self.memory_bytes if self.memory_gib_reported is None else self.memory_gib_reported * GIB
-
-    @property
-    def reported_memory_warning(self) -> Optional[str]:
-        if self.memory_gib_reported is not None:
-            return None
-        return (f"GPU {self.name} has no memory_gib_reported: sizing its KV cache from the datasheet's "
-                f"{self.memory_bytes / GIB:g} GiB, more than the device reports to vLLM (an H100 80GB reports "
-                "79.22), so the KV cache comes out larger than vLLM's")
 
 
 GPUS: dict[str, GpuSpec] = {
@@ -101,27 +74,26 @@ GPUS: dict[str, GpuSpec] = {
         GpuSpec("a100-40gb", "A100 SXM4 40GB", 312 * TERA, 1555 * GIGA, 40 * GIB, 600 * GIGA, "NVLink 3", "[A100]",
                 peak_int8_ops_per_s=624 * TERA),
         GpuSpec("a100-80gb", "A100 SXM4 80GB", 312 * TERA, 2039 * GIGA, 80 * GIB, 600 * GIGA, "NVLink 3", "[A100]",
-                peak_int8_ops_per_s=624 * TERA, memory_gib_reported=79.15),
+                peak_int8_ops_per_s=624 * TERA),
         GpuSpec("a100-40gb-pcie", "A100 PCIe 40GB", 312 * TERA, 1555 * GIGA, 40 * GIB, 64 * GIGA, "PCIe Gen4 x16",
                 "[A100]", peak_int8_ops_per_s=624 * TERA),
         GpuSpec("a100-80gb-pcie", "A100 PCIe 80GB", 312 * TERA, 1935 * GIGA, 80 * GIB, 64 * GIGA, "PCIe Gen4 x16",
                 "[A100]", peak_int8_ops_per_s=624 * TERA),
         GpuSpec("h100-80gb", "H100 SXM5 80GB", 989 * TERA, 3350 * GIGA, 80 * GIB, 900 * GIGA, "NVLink 4", "[H100]",
-                peak_fp8_flops_per_s=1979 * TERA, peak_int8_ops_per_s=1979 * TERA, memory_gib_reported=79.22),
+                peak_fp8_flops_per_s=1979 * TERA, peak_int8_ops_per_s=1979 * TERA),
         GpuSpec("h100-80gb-pcie", "H100 PCIe 80GB", 756 * TERA, 2000 * GIGA, 80 * GIB, 128 * GIGA, "PCIe Gen5 x16",
                 "[H100]", peak_fp8_flops_per_s=1513 * TERA, peak_int8_ops_per_s=1513 * TERA),
         GpuSpec("h200", "H200 SXM 141GB", 989 * TERA, 4800 * GIGA, 141 * GIB, 900 * GIGA, "NVLink 4", "[H200]",
                 peak_fp8_flops_per_s=1979 * TERA, peak_int8_ops_per_s=1979 * TERA),
         GpuSpec("l40s", "L40S 48GB", 362.05 * TERA, 864 * GIGA, 48 * GIB, 64 * GIGA, "PCIe Gen4 x16", "[L40S]",
-                peak_fp8_flops_per_s=733 * TERA, peak_int8_ops_per_s=733 * TERA, memory_gib_reported=44.39),
+                peak_fp8_flops_per_s=733 * TERA, peak_int8_ops_per_s=733 * TERA),
         GpuSpec("l4", "L4 24GB", 121 * TERA, 300 * GIGA, 24 * GIB, 64 * GIGA, "PCIe Gen4 x16", "[L4]",
-                peak_fp8_flops_per_s=242.5 * TERA, peak_int8_ops_per_s=242.5 * TERA, memory_gib_reported=22.06),
-        GpuSpec("a10g", "A10G 24GB (AWS G5)", 70 * TERA, 600 * GIGA, 24 * GIB, 64 * GIGA, "PCIe Gen4 x16", "[A10G]",
-                memory_gib_reported=22.06),
+                peak_fp8_flops_per_s=242.5 * TERA, peak_int8_ops_per_s=242.5 * TERA),
+        GpuSpec("a10g", "A10G 24GB (AWS G5)", 70 * TERA, 600 * GIGA, 24 * GIB, 64 * GIGA, "PCIe Gen4 x16", "[A10G]"),
         GpuSpec("a40", "A40 48GB", 149.7 * TERA, 696 * GIGA, 48 * GIB, 64 * GIGA, "PCIe Gen4 x16", "[A40]",
                 peak_int8_ops_per_s=299.3 * TERA),
         GpuSpec("b200", "B200 SXM 180GB", 2250 * TERA, 8000 * GIGA, 180 * GIB, 1800 * GIGA, "NVLink 5", "[B200]",
-                peak_fp8_flops_per_s=4500 * TERA, peak_int8_ops_per_s=4500 * TERA, memory_gib_reported=178.35),
+                peak_fp8_flops_per_s=4500 * TERA, peak_int8_ops_per_s=4500 * TERA),
         GpuSpec("h20", "H20 96GB", 148 * TERA, 4000 * GIGA, 96 * GIB, 900 * GIGA, "NVLink 4", "[H20]",
                 peak_fp8_flops_per_s=296 * TERA, peak_int8_ops_per_s=296 * TERA),
         GpuSpec("mi300x", "AMD Instinct MI300X 192GB", 1307.4 * TERA, 5300 * GIGA, 192 * GIB, 896 * GIGA,

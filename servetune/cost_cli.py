@@ -11,7 +11,6 @@ import argparse
 import dataclasses
 import functools
 import json
-import sys
 from pathlib import Path
 
 from rich import box
@@ -21,10 +20,9 @@ from rich.table import Table
 from servetune.config import HardwareConfig, SchedulerConfig
 from servetune.cost_models.catalog import resolve_gpu, resolve_model
 from servetune.cost_models.gpus import GIB, GPU_ALIASES, GPUS, GpuSpec
-from servetune.cost_models.memory import StartupRefused, startup_memory
+from servetune.cost_models.memory import kv_capacity
 from servetune.cost_models.models import KV_CACHE_DTYPES, MODELS, QUANTIZATION_METHODS
 from servetune.cost_models.sharding import NoExperts
-from servetune.cost_models.vllm_defaults import vllm_serve_defaults
 from servetune.errors import InvalidValue, UserError, unforced_fit_problems
 from servetune.paths import check_output_file
 
@@ -57,30 +55,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cost.set_defaults(func=run_cost)
 
     memory = subparsers.add_parser(
-        "memory", help="KV-cache capacity as vLLM sizes it at start-up",
-        description="KV-cache capacity as vLLM 0.33 sizes it at start-up (the device's reported memory x "
-                    "utilisation, less weights, the profile run's peak, memory outside PyTorch and the CUDA-graph "
-                    "estimate), with the numbers of vLLM's own log lines, and whether vLLM would refuse to start. "
-                    "It reads no config file; a flag left out takes vllm serve's default for the GPU.")
+        "memory", help="KV-cache capacity as vLLM sizes it",
+        description="KV-cache capacity as vLLM sizes it: weights, activation reserve, KV bytes per token, blocks. "
+                    "It reads no config file: each flag stands for a config key (--tp for hardware.tp, "
+                    "--kv-cache-dtype for kv_cache_dtype, --enable-expert-parallel for "
+                    "hardware.enable_expert_parallel), and a flag left out takes that key's default.")
     _add_model_and_gpu(memory)
-    memory.add_argument("--gpu-memory-utilization", type=float,
-                        help="share of GPU memory the engine may use (default: vLLM's, 0.9)")
-    memory.add_argument("--block-size", type=int, help="tokens per KV block (default: vLLM's, 16)")
-    memory.add_argument("--max-num-batched-tokens", type=int,
-                        help="token budget per step, sizes the profile run's forward (default: vllm serve's for the "
-                             "GPU: 8192 on H100/H200-class, 16384 from 160 GiB, else 2048)")
-    memory.add_argument("--max-num-seqs", type=int,
-                        help="most running requests, sizes the sampler's profile pass (default: vllm serve's for "
-                             "the GPU: 1024 on H100/H200-class and larger, else 256)")
-    memory.add_argument("--max-model-len", type=int,
-                        help="longest request; vLLM refuses to start when one does not fit (default: the model's "
-                             "context)")
-    memory.add_argument("--pipeline-parallel-size", type=int, default=1,
-                        help="pipeline stages; the last one (LM head and sampler) is reported (default 1)")
-    memory.add_argument("--kv-cache-memory-bytes", type=int,
-                        help="a KV budget per GPU that replaces the profiled one, as vLLM's flag does")
-    memory.add_argument("--enforce-eager", action="store_true",
-                        help="no CUDA graphs, so no CUDA-graph estimate (vLLM's --enforce-eager)")
+    scheduler = SchedulerConfig()
+    memory.add_argument("--gpu-memory-utilization", type=float, default=HardwareConfig().gpu_memory_utilization,
+                        help="share of GPU memory the engine may use (default %(default)s)")
+    memory.add_argument("--block-size", type=int, default=scheduler.block_size,
+                        help="tokens per KV block (default %(default)s)")
+    memory.add_argument("--max-num-batched-tokens", type=int, default=scheduler.max_num_batched_tokens,
+                        help="token budget per step, sizes the activation reserve (default %(default)s)")
+    memory.add_argument("--max-num-seqs", type=int, default=scheduler.max_num_seqs,
+                        help="most running requests, sizes the sampler's reserve (default %(default)s)")
     _add_precision(memory)
     _add_expert_parallel(memory)
     memory.add_argument("--json", action="store_true", help="print one JSON object")
@@ -195,9 +184,7 @@ def _add_model_and_gpu(parser: argparse.ArgumentParser) -> None:
 FLAGS = {"model": "--model", "GPU": "--gpu", "gpu": "--gpu", "tp": "--tp", "quantization": "--quantization",
          "kv_cache_dtype": "--kv-cache-dtype", "enable_expert_parallel": "--enable-expert-parallel",
          "expert_load_imbalance": "--expert-load-imbalance",
-         "gpu_memory_utilization": "--gpu-memory-utilization", "block_size": "--block-size",
-         "max_model_len": "--max-model-len", "pipeline_parallel_size": "--pipeline-parallel-size",
-         "kv_cache_memory_bytes": "--kv-cache-memory-bytes"}
+         "gpu_memory_utilization": "--gpu-memory-utilization", "block_size": "--block-size"}
 
 
 def _named_by_flags(run):
@@ -345,65 +332,32 @@ def _precision_note(model) -> str:
 def run_memory(args: argparse.Namespace) -> int:
     model = resolve_model(args.model, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     gpu = _resolve_gpu_flag(args.gpu)
-    defaults = vllm_serve_defaults(gpu)
-    knobs = {name: getattr(defaults, name) if getattr(args, name) is None else getattr(args, name)
-             for name in ("gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "block_size")}
-    try:
-        startup = startup_memory(model, gpu, args.tp, knobs["gpu_memory_utilization"], knobs["block_size"],
-                                 knobs["max_num_batched_tokens"], knobs["max_num_seqs"],
-                                 max_model_len=args.max_model_len, pp=args.pipeline_parallel_size,
-                                 expert_parallel=args.enable_expert_parallel,
-                                 kv_cache_memory_bytes=args.kv_cache_memory_bytes, enforce_eager=args.enforce_eager)
-    except StartupRefused as refused:
-        raise UserError(f"{FLAGS.get(refused.name, refused.name)}: vLLM would refuse to start "
-                        f"{model.name} on {gpu.name} x {args.tp}: {refused.message}") from None
-    if startup.warning is not None:
-        print(f"warning: {startup.warning}", file=sys.stderr)
-    result = {"model": model.name, "gpu": gpu.name, "tp": args.tp, "pp": args.pipeline_parallel_size,
-              "precision": _precision(model), "expert_parallel": args.enable_expert_parallel, **knobs,
-              "max_model_len": startup.max_model_len, "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
-              "enforce_eager": args.enforce_eager, "verdict": "starts",
-              "gpu_memory_bytes": startup.device_bytes, "gpu_memory_source":
-                  "datasheet" if startup.warning else "reported", "requested_bytes": startup.requested_bytes,
-              "weight_bytes_per_gpu": startup.weight_bytes, "profile_peak_bytes": startup.profile_peak_bytes,
-              "non_torch_bytes": startup.non_torch_bytes, "cudagraph_bytes": startup.cudagraph_bytes,
-              "kv_cache_bytes": startup.available_kv_bytes, "kv_bytes_per_token": startup.kv_bytes_per_token,
-              "num_kv_blocks": startup.num_kv_blocks, "token_capacity": startup.num_kv_blocks * startup.block_size,
-              "vllm_log": {"model_loading_gib": round(startup.weight_bytes / GIB, 2),
-                           "available_kv_cache_memory_gib": round(startup.available_kv_bytes / GIB, 2),
-                           "gpu_kv_cache_size_tokens": startup.kv_tokens,
-                           "maximum_concurrency": round(startup.max_concurrency, 2)}}
+    capacity = kv_capacity(model, gpu, args.tp, args.gpu_memory_utilization, args.block_size,
+                           args.max_num_batched_tokens, args.max_num_seqs,
+                           expert_parallel=args.enable_expert_parallel)
+    result = {"model": model.name, "gpu": gpu.name, "tp": args.tp, "precision": _precision(model),
+              "expert_parallel": args.enable_expert_parallel,
+              "gpu_memory_utilization": args.gpu_memory_utilization, "gpu_memory_bytes": gpu.memory_bytes,
+              "weight_bytes_per_gpu": capacity.weight_bytes, "kv_bytes_per_token": capacity.kv_bytes_per_token,
+              "activation_reserve_bytes": capacity.activation_reserve_bytes,
+              "kv_cache_bytes": capacity.kv_cache_bytes, "block_size": capacity.block_size,
+              "num_kv_blocks": capacity.num_kv_blocks, "token_capacity": capacity.token_capacity}
     if args.json:
         print(json.dumps(result))
         return 0
     experts = " with expert parallelism" if args.enable_expert_parallel else ""
-    stages = f" × PP {args.pipeline_parallel_size}" if args.pipeline_parallel_size > 1 else ""
-    table = Table(title=f"KV cache of {model.name} on {gpu.name} × {args.tp}{stages}{experts} at "
-                        f"gpu_memory_utilization {knobs['gpu_memory_utilization']:g}, max_num_seqs "
-                        f"{knobs['max_num_seqs']}, max_num_batched_tokens {knobs['max_num_batched_tokens']}"
-                        f"{_precision_note(model)}")
+    table = Table(title=f"KV cache of {model.name} on {gpu.name} × {args.tp}{experts} "
+                        f"at gpu_memory_utilization {args.gpu_memory_utilization}{_precision_note(model)}")
     table.add_column("per GPU")
     table.add_column("value", justify="right")
-    source = "datasheet" if startup.warning else "as the device reports it"
-    table.add_row(f"memory ({source})", f"{startup.device_bytes / GIB:.2f} GiB")
-    table.add_row("× utilization (requested)", f"{startup.requested_bytes / GIB:.2f} GiB")
-    table.add_row("weights", f"{startup.weight_bytes / GIB:.2f} GiB")
-    table.add_row("profile run's peak", f"{startup.profile_peak_bytes / GIB:.2f} GiB")
-    table.add_row("outside PyTorch", f"{startup.non_torch_bytes / GIB:.2f} GiB")
-    table.add_row("CUDA graphs (estimate)", f"{startup.cudagraph_bytes / GIB:.2f} GiB")
-    given = " (--kv-cache-memory-bytes)" if args.kv_cache_memory_bytes is not None else ""
-    table.add_row(f"KV cache{given}", f"{startup.available_kv_bytes / GIB:.2f} GiB")
-    table.add_row("KV bytes per token", f"{startup.kv_bytes_per_token:,} B")
-    table.add_row("KV blocks", f"{startup.num_kv_blocks:,} × {startup.block_size} tokens", style="bold")
-    console = Console()
-    console.print(table)
-    log = result["vllm_log"]
-    console.print("as vLLM 0.33 would log it:", highlight=False)
-    console.print(f"  Model loading took {log['model_loading_gib']:.2f} GiB memory", highlight=False)
-    console.print(f"  Available KV cache memory: {log['available_kv_cache_memory_gib']:.2f} GiB", highlight=False)
-    console.print(f"  GPU KV cache size: {log['gpu_kv_cache_size_tokens']:,} tokens, Maximum concurrency for "
-                  f"{startup.max_model_len:,} tokens per request: {log['maximum_concurrency']:.2f}x",
-                  highlight=False)
+    table.add_row("memory × utilization", f"{capacity.usable_bytes / GIB:.2f} GiB")
+    table.add_row("weights", f"{capacity.weight_bytes / GIB:.2f} GiB")
+    table.add_row("activation reserve", f"{capacity.activation_reserve_bytes / GIB:.2f} GiB")
+    table.add_row("KV cache", f"{capacity.kv_cache_bytes / GIB:.2f} GiB")
+    table.add_row("KV bytes per token", f"{capacity.kv_bytes_per_token:,} B")
+    table.add_row("KV blocks", f"{capacity.num_kv_blocks:,} × {capacity.block_size} tokens", style="bold")
+    table.add_row("token capacity", f"{capacity.token_capacity:,}", style="bold")
+    Console().print(table)
     return 0
 
 

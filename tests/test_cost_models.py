@@ -17,7 +17,7 @@ from servetune.cost_models.catalog import resolve_gpu, resolve_model
 from servetune.cost_cli import register
 from servetune.cost_models.factory import build_cost_model, derive_num_kv_blocks
 from servetune.cost_models.gpus import GIB, GPUS
-from servetune.cost_models.memory import MIB, NON_TORCH_BYTES_TP1, kv_capacity
+from servetune.cost_models.memory import NON_TORCH_RESERVE_BYTES, kv_capacity
 from servetune.cost_models.models import MODELS, heads_per_gpu
 from servetune.cost_models.profile import SHIPPED_PROFILES_DIR, load_profile
 from servetune.cost_models.roofline import (Calibration, build_roofline_params, smooth_max, step_costs,
@@ -253,17 +253,13 @@ def test_kv_capacity_for_llama_2_7b_on_an_a100_80gb_by_hand():
     assert capacity.weight_bytes == 13_476_298_752
     # KV per token: 2 (K, V) * 32 layers * 32 heads * 128 dims * 2 B = 524,288 B
     assert capacity.kv_bytes_per_token == 524_288
-    # reserve (vLLM 0.33's start-up accounting, cost_models/memory.py): the profile peak is the larger of the
-    # forward's 2048 tokens * (2*4096 + 2*11008 + 11008 = 41,216 values) * 2 B = 168,820,736 and the sampler's
-    # 8 copies * 256 seqs * 32000 vocab * 4 B = 262,144,000; + 0.2 GiB outside PyTorch; + CUDA graphs: 51
-    # piecewise sizes (1, 2, 4, 8..248 by 8, 256..512 by 16) and 35 full ones (up to 256), 1 MiB each after the
-    # first of each: 84 MiB
-    assert capacity.activation_reserve_bytes == pytest.approx(262_144_000 + NON_TORCH_BYTES_TP1 + 84 * MIB, abs=1)
-    # usable: the 79.15 GiB an A100-80GB reports * 0.9, rounded up = 76,487,998,833; KV = usable - 13,476,298,752
-    #         - the reserve = 62,446,727,332 B; blocks = floor(62,446,727,332 / (16 * 524,288)) = 7444
-    assert capacity.usable_bytes == 76_487_998_833
-    assert capacity.num_kv_blocks == 7444
-    assert capacity.token_capacity == 7444 * 16
+    # reserve: 2048 tokens * (2*4096 + 2*11008 + 11008 = 41,216 values) * 2 B = 168,820,736
+    #        + 256 seqs * 32000 vocab * 4 B * 2 copies = 65,536,000, + 1 GiB = 1,308,098,560
+    assert capacity.activation_reserve_bytes == 168_820_736 + 65_536_000 + NON_TORCH_RESERVE_BYTES
+    # usable 80 GiB * 0.9 = 77,309,411,328; KV = 77,309,411,328 - 13,476,298,752 - 1,308,098,560
+    #      = 62,525,014,016 B; blocks = floor(62,525,014,016 / (16 * 524,288)) = floor(7453.7) = 7453
+    assert capacity.num_kv_blocks == 7453
+    assert capacity.token_capacity == 7453 * 16
 
 
 def test_kv_capacity_shards_over_tensor_parallelism_and_refuses_what_does_not_fit():
@@ -305,8 +301,8 @@ def test_factory_builds_every_kind_with_float32_params():
 def test_derive_num_kv_blocks_uses_the_scheduler_limits():
     base = Config(hardware=HardwareConfig(gpu="a100-80gb", tp=1, gpu_memory_utilization=0.9),
                   scheduler=SchedulerConfig(block_size=16, max_num_batched_tokens=2048, max_num_seqs=256))
-    assert derive_num_kv_blocks(base) == 7444   # test_kv_capacity_for_llama_2_7b_on_an_a100_80gb_by_hand's
-    assert derive_num_kv_blocks(dataclasses.replace(base, scheduler=SchedulerConfig(block_size=32))) < 7444
+    assert derive_num_kv_blocks(base) == 7453
+    assert derive_num_kv_blocks(dataclasses.replace(base, scheduler=SchedulerConfig(block_size=32))) < 7453
 
 
 # --------------------------------------------------------------------------- CLI

@@ -259,10 +259,9 @@ def test_kv_bytes_per_token():
 
 def test_weights_per_gpu():
     # vLLM's blog post on serving gpt-oss (vllm-project.github.io): MXFP4 on the MoE weights alone "reduces the
-    # model sizes to 63 GB (120B) and 14 GB (20B)" on disk; vLLM pads the experts to 3072 x 2944 of 2880 x 2880
-    # (memory.MXFP4_PAD_*), 9% more on the GPU: 20B's 14.66 GB is 13.66 GiB, where vLLM logged 13.72 (fixture)
-    assert weight_bytes_per_gpu(MODELS["gpt-oss-120b"], 1) / 1e9 == pytest.approx(63 * 1.09, rel=0.05)
-    assert weight_bytes_per_gpu(MODELS["gpt-oss-20b"], 1) / 1e9 == pytest.approx(14 * 1.09, rel=0.05)
+    # model sizes to 63 GB (120B) and 14 GB (20B)"
+    assert weight_bytes_per_gpu(MODELS["gpt-oss-120b"], 1) / 1e9 == pytest.approx(63, rel=0.05)
+    assert weight_bytes_per_gpu(MODELS["gpt-oss-20b"], 1) / 1e9 == pytest.approx(14, rel=0.05)
     # DeepSeek-V3 in FP8: about a byte per parameter, an eighth per GPU at TP 8 (1.5% more: BF16 embeddings and
     # routers, and the MLA down-projections every GPU holds whole): more than an 80 GB H100 holds, so it needs
     # H200s (141 GB) there
@@ -339,13 +338,11 @@ def test_the_expert_parallel_key_sizes_the_cache_and_prices_the_steps(tmp_path, 
 
     # The cache vLLM sizes at the defaults (utilization 0.92, 2048 batched tokens, 64 seats, blocks of 16): each
     # token's MoE activations are the residual stream twice and, for each of its 2 experts with the share 2/6 of
-    # them this GPU holds, gate/up, activation and output, against the sampler pass's 8 FP32 logit copies; 0.4 GiB
-    # outside PyTorch at TP 4; CUDA graphs at 1 MiB each after the first (19 piecewise sizes to 128, 11 full to 64).
+    # them this GPU holds, gate/up, activation and output; the sampler's FP32 logits and probabilities; 1 GiB.
     activations = math.ceil(2 * h + 2 * (2 / 6) * (2 * width + width + h)) * 2 * 2048
-    reserve = max(activations, 8 * 64 * 32000 * 4) + 0.4 * GIB + (18 + 10) * 2**20
+    reserve = activations + 64 * 32000 * 4 * 2 + GIB
     block_bytes = 16 * 2 * layers * (8 // 4) * 128 * 2
-    requested = math.ceil(79.22 * GIB * 0.92)
-    assert derive_num_kv_blocks(config(True)) == int((requested - ep_weights - reserve) // block_bytes)
+    assert derive_num_kv_blocks(config(True)) == int((80 * GIB * 0.92 - ep_weights - reserve) // block_bytes)
     assert derive_num_kv_blocks(config(True)) < derive_num_kv_blocks(config(False))
     # A prefill of 2048 tokens reaches every expert: it reads the 2 whole experts a GPU holds, not 6 quarters.
     prefill = batch(prefill_tokens=2048)
@@ -377,12 +374,11 @@ def test_fp8_kv_cache_doubles_the_blocks_and_sliding_layers_are_sized_the_hybrid
     # 18, each block of the shared pool 18 layers' pages (kv_cache_planning._get_kv_cache_bytes_per_block); a
     # sliding request holds only its window's blocks. The engine charges the full group's blocks and the windows
     # are reserved for every seat: what vLLM's pool holds is the engine's blocks plus the reserve's.
-    # (at TP 2: on one H100 vLLM 0.33's start-up accounting leaves too little for the windows' reserve to pay off)
-    model, page = MODELS["gpt-oss-120b"], 16 * 2 * 4 * 64 * 2
-    capacity = kv_capacity(model, H100, 2, 0.9, 16, 2048, 256)
+    model, page = MODELS["gpt-oss-120b"], 16 * 2 * 8 * 64 * 2
+    capacity = kv_capacity(model, H100, 1, 0.9, 16, 2048, 256)
     vllm_blocks = int(capacity.kv_cache_bytes // (18 * page))
-    reserve = 18 * 2 * 4 * 64 * 2 * (256 * (math.ceil(128 / 16) + 1) * 16 + 2048)
-    assert capacity.window_reserve_bytes == reserve and capacity.kv_bytes_per_token == 18 * 2 * 4 * 64 * 2
+    reserve = 18 * 2 * 8 * 64 * 2 * (256 * (math.ceil(128 / 16) + 1) * 16 + 2048)
+    assert capacity.window_reserve_bytes == reserve and capacity.kv_bytes_per_token == 18 * 2 * 8 * 64 * 2
     assert capacity.num_kv_blocks == int((capacity.kv_cache_bytes - reserve) // (18 * page)) < vllm_blocks
     assert capacity.num_kv_blocks > int(capacity.kv_cache_bytes // (36 * page))   # charging every layer
     # Llama 4 Scout's 8192-token chunks on 36 of 48 layers: reserving them for 256 seats costs more than it
@@ -513,11 +509,8 @@ RECORDED_STEPS = [
     ("llama-3-70b", "h100-80gb", 4, True, "llama-2-7b_h100-80gb.json",
      [0.02167704701423645, 0.0505736842751503, 0.23929482698440552, 0.27098119258880615, 0.49662894010543823]),
 ]
-# The KV caches were recorded again when the sizing took vLLM 0.33's start-up accounting (issue 41: the memory the
-# device reports, the sampler pass's peak, the fitted memory outside PyTorch, the CUDA-graph estimate); the L4 loses
-# most, its 22.06 reported GiB against the 24 taken before.
-RECORDED_BLOCKS = [("llama-2-7b", "a100-80gb", 1, 7459), ("llama-3-70b", "h100-80gb", 4, 30723),
-                   ("mistral-7b", "h100-80gb", 1, 29370), ("qwen2.5-7b", "l4", 1, 5662)]
+RECORDED_BLOCKS = [("llama-2-7b", "a100-80gb", 1, 7457), ("llama-3-70b", "h100-80gb", 4, 31031),
+                   ("mistral-7b", "h100-80gb", 1, 29330), ("qwen2.5-7b", "l4", 1, 7052)]
 
 
 RECORDED_ROWS = [(0, 0, 0, 0, 0, 8, 8 * 1025), (1, 512, 512, 512 * 256, 512 * 256, 0, 0),
@@ -601,11 +594,9 @@ def test_mistral_7b_kv_cache_by_hand():
     per_token = 32 * 2 * 8 * 128 * 2
     layer = 4096 * (4096 + 2 * 8 * 128) + 4096 * 4096 + 3 * 4096 * 14336
     weights = (32 * layer + 2 * 32000 * 4096) * 2
-    # the profile peak: the larger of one token's MLP activations x 2,048 batched tokens and 8 FP32 logit copies
-    # for 128 seats; 0.2 GiB outside PyTorch; the CUDA graphs' 1 MiB each after the first (35 piecewise sizes up
-    # to 256, 19 full ones up to 128); of the 79.22 GiB an H100 reports
-    reserve = max((2 * 4096 + 2 * 14336 + 14336) * 2 * 2048, 8 * 128 * 32000 * 4) + 0.2 * gib + (34 + 18) * 2**20
-    blocks = int((math.ceil(79.22 * gib * 0.9) - weights - reserve) // (16 * per_token))
+    # one token's MLP activations x 2,048 batched tokens, FP32 logits and probabilities for 128 seats, 1 GiB
+    reserve = (2 * 4096 + 2 * 14336 + 14336) * 2 * 2048 + 128 * 32000 * 4 * 2 + gib
+    blocks = int((80 * gib * 0.9 - weights - reserve) // (16 * per_token))
     capacity = kv_capacity(mistral, H100, 1, 0.9, 16, 2048, 128)
     assert (capacity.num_kv_blocks, capacity.kv_bytes_per_token) == (blocks, per_token)
     assert capacity.window_reserve_bytes == 0
