@@ -379,10 +379,12 @@ class SloConfig:
 
 
 # The routers a cluster's requests pass through (envs/sim/cluster.py), and the replica signals the weighted router
-# scores: its score is w_queue queue + w_running running + w_kv kv_utilization - w_prefix_hit prefix_hit (the hit
-# subtracted, so that every positive weight says "prefer less load, more cached prompt"); the lowest score wins.
+# scores: its score is w_queue queue + w_running running + w_kv kv_utilization + w_outstanding outstanding
+# - w_prefix_hit prefix_hit (the hit subtracted, so that every positive weight says "prefer less load, more cached
+# prompt"); the lowest score wins. queue, running and kv_utilization are the replica's metrics as of its last
+# completed step; outstanding (requests sent and not finished) and prefix_hit are the router's own reckoning.
 ROUTERS = ("round_robin", "random", "least_outstanding", "least_kv", "power_of_two", "prefix_affinity", "weighted")
-ROUTER_FEATURES = ("queue", "running", "kv_utilization", "prefix_hit")
+ROUTER_FEATURES = ("queue", "running", "kv_utilization", "prefix_hit", "outstanding")
 # The routers that decide from the workload and their own draws alone, before the run.
 STATE_FREE_ROUTERS = ("round_robin", "random", "prefix_affinity")
 

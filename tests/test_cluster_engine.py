@@ -32,7 +32,7 @@ from servetune.envs.sim.simulator import simulate_workload
 from servetune.envs.workload.requests import Workload
 
 LOAD_READING_ROUTERS = ("least_outstanding", "least_kv", "power_of_two", "weighted")
-WEIGHTS = (("queue", 1.0), ("running", 0.5), ("kv_utilization", 4.0))
+WEIGHTS = (("queue", 1.0), ("running", 0.5), ("kv_utilization", 4.0), ("outstanding", 0.25))
 DIFFERENTIAL_SEEDS = range(20_000, 20_004)
 CONFIGS_PER_SEED = 4
 

@@ -224,18 +224,20 @@ def test_weighted_routing_that_prizes_prefix_hits_hits_as_prefix_affinity_does()
     # * least_outstanding sends every group to every replica, each of which then sees all 8 prefixes (64 units, more
     #   than it holds): a prefix survives only while its group comes back to the same replica within a few
     #   requests: well under half the shared units hit.
-    # * weighted with prefix_hit 10 against queue and running 1: a full hit (0.8 of the prompt, 8 points) outweighs
-    #   up to 8 requests' more load, so a group stays where its prefix is cached and moves, to the least loaded
+    # * weighted with prefix_hit 10 against outstanding 1: a full hit (0.8 of the prompt, 8 points) outweighs
+    #   up to 8 more requests in flight, so a group stays where its prefix is cached and moves, to the least loaded
     #   replica, only once its prefix was evicted there. It keeps groups together as affinity does; it does not
     #   balance groups across replicas as the hash does, so a replica may hold more groups than fit and lose a
-    #   little: its rate sits just under affinity's.
+    #   little: its rate sits near affinity's. (Against the replicas' metrics alone, queue and running as of each
+    #   one's last step, it would herd: a 4 ms step empties a replica's queue, so every replica reports almost no
+    #   load and the cached one keeps winning.)
     n, replicas = 800, 4
     workload, group = prefix_group_workload(5, n, groups=8, shared_units=8, own_units=2, rate=600.0)
     scheduler = scheduler_config(enable_prefix_caching=True, block_size=UNIT, num_kv_blocks=41,
                                  max_num_batched_tokens=4096)
     rates, spread = {}, {}
     for router, weights in (("prefix_affinity", None), ("least_outstanding", None),
-                            ("weighted", (("queue", 1.0), ("running", 1.0), ("prefix_hit", 10.0)))):
+                            ("weighted", (("outstanding", 1.0), ("prefix_hit", 10.0)))):
         config = ClusterConfig(replicas=replicas, router=router, router_weights=weights)
         out = simulate_cluster(workload, scheduler, config, step_time_s, linear(0.004, 1e-5))
         totals = out.outcome.totals
@@ -314,7 +316,7 @@ def test_the_prefix_hit_weight_is_a_knob_when_caching_is_on_or_searched():
 
 @pytest.mark.skipif(len(jax.local_devices()) < 2, reason="needs two or more cores: lanes split across cores then")
 @pytest.mark.parametrize("router, weights, delay", [
-    ("weighted", (("queue", 0.25), ("kv_utilization", 2.0), ("prefix_hit", 8.0)), 0.1),
+    ("weighted", (("outstanding", 0.25), ("kv_utilization", 2.0), ("prefix_hit", 8.0)), 0.1),
     ("least_outstanding", (), 0.0),
 ])
 def test_lanes_split_across_cores_step_as_they_do_on_one_core(monkeypatch, router, weights, delay):

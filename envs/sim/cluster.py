@@ -7,18 +7,21 @@ router") states the rules, and ``envs/sim/cluster_reference.py`` states them as 
 * A router that reads no replica state (round_robin, random) decides every arrival before the run: each
   replica then simply serves its share, as a single engine would (`static_assignment`).
 * A router that reads the replicas' load routes while they run, in lock step: before the router looks at
-  time t, every replica runs every step that starts before t (the engine's horizon, `run_from`), so it
-  stands at its first step boundary at or after t -- with the step in flight at t completed -- and has
-  taken no decision at or after t. Under async scheduling the decision the step after it runs was taken a
-  step early, before t; the router sees it taken (`_decided_view`). Then the router takes the arrival (or,
-  with ``signal_delay_s``, the reports it reads, the last one at or before the arrival).
+  time t, every replica runs every step that starts before t (the engine's horizon), each step of a run after
+  its first ending by t (`engine.iteration`'s ``horizon_ends_steps``), so a replica that stops past t stops
+  after the one step in flight at t, and the iteration that launched it kept what the replica's metrics said
+  at the boundary before it (`_boundary_report`). The router reads those while a step is in flight and the
+  replica as it stands otherwise; under async scheduling the decision taken a step early is seen taken
+  (`_seen_view`, `_decided_view`). Then it takes the arrival (or, with ``signal_delay_s``, the scrape it reads,
+  the last one at or before the arrival).
 * Lanes are configs × replicas (lane ``c · R + r``), stepped together by one vmapped engine iteration, each
   core stepping its share of them (`run_cluster`); the router's decisions are vectorised over configs.
 
-Signals per replica, as the router reads them: ``queue``, requests waiting (those routed to it and not
-yet taken in included); ``running``, requests seated; ``kv_utilization``, the share of its usable KV blocks
-held; outstanding = queue + running, the requests it was sent that have not finished or been refused; and
-``prefix_hit``, the share of the arriving request's prompt its prefix cache holds (`PrefixCaches`).
+Signals per replica, as the router reads them (docs/engine-semantics.md, "Replicas and the router"): the
+replica's metrics as of its last completed step, ``queue`` (requests waiting), ``running`` (seated) and
+``kv_utilization`` (the share of its usable KV blocks held); the router's own count of the requests it sent
+that have not finished, *outstanding*; and ``prefix_hit``, the share of the arriving request's prompt its
+prefix cache holds (`PrefixCaches`).
 
 With prefix caching each lane keeps its own cache of prefix units (envs/sim/prefix_cache.py's model, exactly):
 when the router sends a request to a lane, the lane's cache is looked up (the request's cached tokens on that
@@ -35,7 +38,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from servetune import parallel
-from servetune.config import ROUTERS, STATE_FREE_ROUTERS
+from servetune.config import ROUTER_FEATURES, ROUTERS, STATE_FREE_ROUTERS
 from servetune.envs.sim import engine
 from servetune.envs.sim.double_float import df_le
 from servetune.envs.sim.outcome import NOT_ROUTED
@@ -46,9 +49,10 @@ from servetune.pytree import pytree_dataclass, replace, static_field
 
 f32, i32 = jnp.float32, jnp.int32
 
-SIGNALS = ("queue", "running", "kv_utilization", "prefix_hit")   # what the weighted router scores (ROUTER_FEATURES)
-# What a replica reports about its load, read as of the last report with signal_delay_s. prefix_hit is not among
-# them: it is the router's own reckoning from the requests it sent, exact at every arrival.
+SIGNALS = ROUTER_FEATURES   # what the weighted router scores
+# What a replica reports about its load, read as of the last scrape with signal_delay_s. prefix_hit and
+# outstanding are not among them: they are the router's own reckoning from the requests it sent, exact at every
+# arrival.
 LOAD_SIGNALS = SIGNALS[:3]
 ROUTER_CODE = {name: code for code, name in enumerate(ROUTERS)}
 # The steps a replica's loop iteration may apply at once. Every routing event ends every lane's run, so runs in
@@ -270,27 +274,57 @@ class ClusterState:
     next_request: jnp.ndarray      # int32[configs]: the first request not yet routed
     routed_count: jnp.ndarray      # int32[configs]: requests routed so far (round_robin's counter)
     seen: jnp.ndarray              # float32[configs, R, len(LOAD_SIGNALS)]: the signals of the last report
+    boundary_load: jnp.ndarray     # float32[lanes, len(LOAD_SIGNALS)]: the metrics at the boundary before the
+                                   # step in flight (read while the lane stands past the event)
+    boundary_base: jnp.ndarray     # int32[lanes]: its outstanding count there, less the rows routed
     reported_period: jnp.ndarray   # float32[configs]: k of the last report read, taken at k·signal_delay_s (-inf: none)
     finished: jnp.ndarray          # bool[configs]: every arrival routed and the replicas run to the end
     prefix: Optional[PrefixCaches] = None   # each lane's prefix cache; None: no lane caches prefixes
 
 
-def _load_signals(params: engine.EngineParams, state: engine.EngineState, routed) -> jnp.ndarray:
-    """float32[len(LOAD_SIGNALS)] of one replica. A request the step that just ended completed (async: still
-    seated, `Slots.leaving`) counts as gone, its blocks free, as the replica reports after processing that
-    step's output."""
-    slots = state.slots
-    leaving = (jnp.arange(slots.req.shape[0]) < state.num_running) & slots.leaving
-    queue = state.queue_len + routed - state.next_arrival
+def _leaving(state: engine.EngineState):
+    """The seats of requests the step that just ended completed (async: still seated, `Slots.leaving`)."""
+    return (jnp.arange(state.slots.req.shape[0]) < state.num_running) & state.slots.leaving
+
+
+def _load_signals(params: engine.EngineParams, state: engine.EngineState) -> jnp.ndarray:
+    """float32[len(LOAD_SIGNALS)] of one replica as its metrics report it (vLLM's num_requests_waiting,
+    num_requests_running, kv_cache_usage_perc): the requests waiting in its queue, those seated, and the share
+    of its usable KV blocks held. A request the step that just ended completed counts as gone, its blocks
+    free, as the replica reports after processing that step's output."""
+    leaving = _leaving(state)
     running = state.num_running - jnp.sum(leaving, dtype=i32)
-    held = params.usable_kv_blocks - state.free_blocks - jnp.sum(jnp.where(leaving, slots.blocks, 0), dtype=i32)
-    return jnp.stack([queue.astype(f32), running.astype(f32),
+    held = params.usable_kv_blocks - state.free_blocks - jnp.sum(jnp.where(leaving, state.slots.blocks, 0),
+                                                                 dtype=i32)
+    return jnp.stack([state.queue_len.astype(f32), running.astype(f32),
                       held.astype(f32) / params.usable_kv_blocks.astype(f32)])
 
 
+def _outstanding_base(state: engine.EngineState):
+    """A replica's outstanding requests less the rows routed to it: what the router, counting its own
+    requests, sees finish. Those sent and not yet processed are outstanding, as are those waiting and seated;
+    completed and refused ones are not."""
+    return state.queue_len - state.next_arrival + state.num_running - jnp.sum(_leaving(state), dtype=i32)
+
+
+def _seen_view(before: engine.EngineState, decided: engine.EngineState) -> engine.EngineState:
+    """The replica its metrics describe at a boundary: after the step that just ended was processed. Under
+    async scheduling (a decision taken a step early) the next step was scheduled by then, so the metrics
+    include its decision (vLLM's engine core schedules step k + 1 before it processes step k's output)."""
+    return engine.choose(before.pipelined_now, decided, before)
+
+
+def _boundary_report(params):
+    """`engine.iteration`'s report: the boundary's load signals, and its outstanding count less the rows routed
+    (the arrivals the boundary processed, its refusals included, are counted)."""
+    def report(before, boundary, decided):
+        return _load_signals(params, _seen_view(before, decided)), _outstanding_base(boundary)
+    return report
+
+
 def _decided_view(trace, params, state, num_slots, queue):
-    """The replica as the router sees it: with a decision taken a step early (async) and not yet applied,
-    that decision applied (`engine.decided`); otherwise as it is."""
+    """The replica as its metrics describe it at the boundary where it stands (`_seen_view`), its decision
+    there taken by `engine.decided` when it was taken a step early."""
     return engine.choose(state.pipelined_now, engine.decided(trace, params, state, num_slots, queue), state)
 
 
@@ -306,12 +340,12 @@ def _choice(router: RouterParams, signals, draws, routed_count):
     lowest index (power_of_two: to the first drawn). The weighted router's score subtracts the prefix_hit term,
     so that a positive weight prefers the replica that holds more of the prompt."""
     num_replicas = signals.shape[0]
-    outstanding = signals[:, 0] + signals[:, 1]
+    outstanding = signals[:, SIGNALS.index("outstanding")]
     kv = signals[:, 2]
     least_kv = jnp.argmin(jnp.where(kv == jnp.min(kv), outstanding, jnp.inf))
     first, second = draws[0], draws[1]
     terms = _rounded(signals * router.weights[None, :])
-    score = terms[:, 0] + terms[:, 1] + terms[:, 2] - terms[:, 3]
+    score = terms[:, 0] + terms[:, 1] + terms[:, 2] + terms[:, 4] - terms[:, 3]
     by_kind = jnp.stack([
         routed_count % num_replicas,                                            # round_robin
         first,                                                                  # random
@@ -403,20 +437,40 @@ def _cluster_iteration(requests, draws, params, router, cs: ClusterState, cost_f
     running = per_lane(~cs.finished) & (behind | per_lane(last))
     replicas = replace(cs.replicas, ended=jnp.where(running, False, cs.replicas.ended))
     stopped = replace(params, horizon_hi=stop_hi, horizon_lo=stop_lo)
-    replicas = engine.while_any_live(
-        lambda p, one, t: engine.ended_at_horizon(
-            t, p, engine.iteration(t, p, one, cost_fn, num_slots, queue, LOCKSTEP_LOOKAHEAD_STEPS)),
-        stopped, replicas, cs.traces)
+    # Every step of a run after its first ends by the stop, so a replica that stops past it stops after one
+    # step, the one in flight then; its report is the boundary's before that step, kept by the iteration that
+    # launched it (an iteration at or past the stop launches nothing and keeps none). That holds at the end of
+    # a run too, which a controller continues an interval later. A router that reads no load (or has one
+    # replica to choose) leaves the runs whole, as a lone engine runs them: cut elsewhere, a run's clock sums
+    # its steps' durations in another order and may differ in the last bit.
+    reads_load = ~jnp.isin(router.kind, jnp.asarray([ROUTER_CODE[name] for name in STATE_FREE_ROUTERS]))
+    ends_by_stop = per_lane(reads_load & (num_replicas > 1))
 
-    # What the router sees. A decision taken a step early moves requests between the queue and the seats and
-    # takes blocks, which only least_kv and weighted read: the others skip taking it.
+    def lockstep_iteration(p, one, t, carried):
+        ends_by, kept = carried
+        launches = engine.is_live(one, p) & ~df_le(p.horizon_hi, p.horizon_lo, one.clock_hi, one.clock_lo)
+        after, seen = engine.iteration(t, p, one, cost_fn, num_slots, queue, LOCKSTEP_LOOKAHEAD_STEPS,
+                                       horizon_ends_steps=ends_by, report=_boundary_report(p))
+        kept = jax.tree_util.tree_map(lambda new, old: jnp.where(launches, new, old), seen, kept)
+        return engine.ended_at_horizon(t, p, after), (ends_by, kept)
+
+    replicas, (_, (boundary_load, boundary_base)) = engine.while_any_live(
+        lockstep_iteration, stopped, replicas, cs.traces, (ends_by_stop, (cs.boundary_load, cs.boundary_base)))
+
+    # What the router sees of a replica standing at a boundary at or before the event: its metrics there. A
+    # decision taken a step early moves requests between the queue and the seats and takes blocks, which only
+    # least_kv and weighted read: the others skip taking it.
     reads_split = (router.kind == ROUTER_CODE["least_kv"]) | (router.kind == ROUTER_CODE["weighted"])
     view = jax.lax.cond(
         jnp.any(per_lane(reads_split) & replicas.pipelined_now),
         lambda r: jax.vmap(lambda t, p, s: _decided_view(t, p, s, num_slots, queue))(cs.traces, params, r),
         lambda r: r, replicas)
-    routed_here = layout.here(cs.routed)
-    read = [jax.vmap(_load_signals)(params, view, routed_here)]
+    # Past the event, a step is in flight: the replica reports what its last boundary before it saw.
+    in_flight = ~df_le(replicas.clock_hi, replicas.clock_lo, stop_hi, stop_lo)
+    load_here = jnp.where(in_flight[:, None], boundary_load, jax.vmap(_load_signals)(params, view))
+    base_here = jnp.where(in_flight, boundary_base, jax.vmap(_outstanding_base)(replicas))
+    outstanding_here = (base_here + layout.here(cs.routed)).astype(f32)
+    read = [load_here, outstanding_here[:, None]]
     n = requests.prompt.shape[0]
     ids = jnp.minimum(cs.next_request, n - 1)
     if cs.prefix is not None:
@@ -427,13 +481,16 @@ def _cluster_iteration(requests, draws, params, router, cs: ClusterState, cost_f
     load = read[:, :len(LOAD_SIGNALS)].reshape(num_configs, num_replicas, len(LOAD_SIGNALS))
     seen = jnp.where(report[:, None, None], load, cs.seen)
     reads = jnp.where((router.report_every_s > 0)[:, None, None], seen, load)
+    # The router's own count of what it sent and has not seen finish: exact at every arrival, never delayed.
+    outstanding = read[:, len(LOAD_SIGNALS)].reshape(num_configs, num_replicas)
 
     # The arrival: refused by its tenant's rate limit at the router, or routed.
     if cs.prefix is None:
         hit = jnp.zeros((num_configs, num_replicas), f32)
     else:
-        hit = read[:, len(LOAD_SIGNALS)].reshape(num_configs, num_replicas) / cs.prefix.prompt[ids][:, None].astype(f32)
-    reads = jnp.concatenate([reads, hit[:, :, None]], axis=2)
+        hit = (read[:, len(LOAD_SIGNALS) + 1].reshape(num_configs, num_replicas)
+               / cs.prefix.prompt[ids][:, None].astype(f32))
+    reads = jnp.concatenate([reads, hit[:, :, None], outstanding[:, :, None]], axis=2)
     refused = arrival & requests.rate_limited[ids]
     routes = arrival & ~refused
     replica = jax.vmap(_choice)(router, reads, draws[ids], cs.routed_count)
@@ -445,7 +502,7 @@ def _cluster_iteration(requests, draws, params, router, cs: ClusterState, cost_f
     if cs.prefix is not None:
         cs = replace(cs, prefix=_send(cs.prefix, ids, target_here, row, lookup))
     cs = replace(cs,
-        replicas=replicas,
+        replicas=replicas, boundary_load=boundary_load, boundary_base=boundary_base,
         traces=_write_rows(cs.traces, requests, target_here, row, ids),
         routed=cs.routed.at[target].add(1, mode="drop"),
         replica_of=cs.replica_of.at[configs, jnp.where(routes, ids, n)].set(replica, mode="drop"),
@@ -498,6 +555,7 @@ def init_cluster(requests: engine.Trace, params: engine.EngineParams, num_slots:
         replica_of=jnp.full((num_configs, n), NOT_ROUTED, i32), row_of=jnp.zeros((num_configs, n), i32),
         next_request=jnp.zeros(num_configs, i32), routed_count=jnp.zeros(num_configs, i32),
         seen=jnp.zeros((num_configs, num_replicas, len(LOAD_SIGNALS)), f32),
+        boundary_load=jnp.zeros((lanes, len(LOAD_SIGNALS)), f32), boundary_base=jnp.zeros(lanes, i32),
         reported_period=jnp.full(num_configs, -jnp.inf, f32),
         finished=jnp.zeros(num_configs, bool), prefix=prefix,
     )
@@ -555,6 +613,7 @@ def _lane_specs(cs: ClusterState, axis: str) -> ClusterState:
     return ClusterState(
         replicas=jax.tree_util.tree_map(lambda _: per_lane, cs.replicas),
         traces=jax.tree_util.tree_map(lambda _: per_lane, cs.traces),
+        boundary_load=per_lane, boundary_base=per_lane,
         routed=whole, replica_of=whole, row_of=whole, next_request=whole, routed_count=whole, seen=whole,
         reported_period=whole, finished=whole, prefix=prefix)
 

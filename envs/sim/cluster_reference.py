@@ -2,11 +2,13 @@
 
 The executable specification of docs/engine-semantics.md's "Replicas and the router", written to be read,
 not to be fast. Each replica is a reference engine (envs/sim/reference.py). For each arrival in arrival order
-(and, with ``signal_delay_s``, for the last load report before it) every replica's share so far is replayed
-from the start, stopped at that moment (every step that starts before it run, no decision at or after it
-taken); the router reads their load, and each replica's prefix cache replayed on its share with the request
-appended (envs/sim/prefix_cache.py), and sends the request on. A tenant's rate limit refuses a request at the router. The JAX cluster (envs/sim/cluster.py)
-implements the same rules independently; the differential tests compare the two.
+(and, with ``signal_delay_s``, for the last scrape before it) every replica's share so far is replayed from
+the start, stopped at that moment; the router reads its metrics as the engine recorded them after its last
+step completed by then (or, with no step in flight, the replica as it stands), counts the requests it sent
+that have not completed or been refused by then, replays each replica's prefix cache on its share with the
+request appended (envs/sim/prefix_cache.py), and sends the request on. A tenant's rate limit refuses a request
+at the router. The JAX cluster (envs/sim/cluster.py) implements the same rules independently; the differential
+tests compare the two.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from servetune.config import ClusterConfig, SchedulerConfig
+from servetune.config import ROUTER_FEATURES, ClusterConfig, SchedulerConfig
 from servetune.envs.sim.outcome import (
     NOT_ROUTED, ClusterOutcome, SimulationOutcome, idle_outcome, in_workload_order, merged_outcome,
 )
@@ -24,7 +26,6 @@ from servetune.envs.sim.prefix_cache import capacity_units, prefix_hits
 from servetune.envs.sim.reference import CostFn, _Engine
 from servetune.envs.workload.requests import Workload, take_rows
 
-SIGNAL_NAMES = ("queue", "running", "kv_utilization", "prefix_hit")
 
 
 def _draws(num_requests: int, num_replicas: int, seed: int) -> list[tuple[int, int]]:
@@ -60,17 +61,17 @@ class _Router:
     def __init__(self, cluster: ClusterConfig, num_replicas: int, workload: Workload) -> None:
         self.kind = cluster.router
         self.num_replicas = num_replicas
-        self.weights = [np.float32(dict(cluster.router_weights or ()).get(name, 0.0)) for name in SIGNAL_NAMES]
+        self.weights = [np.float32(dict(cluster.router_weights or ()).get(name, 0.0)) for name in ROUTER_FEATURES]
         self.draws = _draws(workload.num_requests, num_replicas, cluster.seed)
         self.workload = workload
         self.sent = 0
         self.sent_without_prefix = 0
 
-    def choose(self, request_id: int, signals: list[tuple]) -> int:
-        """The replica for a request, from each replica's (queue, running, kv_utilization, prefix_hit); ties to
-        the lowest index (power_of_two: to the first drawn). Scores are float32 sums, as the JAX router forms
-        them; the prefix_hit term is subtracted (a positive weight prefers hits)."""
-        outstanding = [queue + running for queue, running, _, _ in signals]
+    def choose(self, request_id: int, signals: list[tuple], outstanding: list[int]) -> int:
+        """The replica for a request, from each replica's (queue, running, kv_utilization, prefix_hit) and its
+        outstanding requests; ties to the lowest index (power_of_two: to the first drawn). Scores are float32
+        sums, as the JAX router forms them; the prefix_hit term is subtracted (a positive weight prefers
+        hits)."""
         first, second = self.draws[request_id]
         replicas = range(self.num_replicas)
         if self.kind == "round_robin":
@@ -96,6 +97,7 @@ class _Router:
             def score(r):
                 queue, running, kv, hit = signals[r]
                 load = np.float32(np.float32(np.float32(queue) * w[0] + np.float32(running) * w[1]) + kv * w[2])
+                load = np.float32(load + np.float32(outstanding[r]) * w[4])
                 return np.float32(load - hit * w[3])
             choice = min(replicas, key=lambda r: (score(r), r))
         else:
@@ -104,14 +106,24 @@ class _Router:
         return choice
 
 
-def _signals(replica: _Engine) -> tuple:
-    """What a replica reports: requests waiting (those sent and not yet taken in included), running, and the
-    share of its usable KV blocks held (float32)."""
-    config = replica.config
-    unprocessed = len(replica.requests) - replica.next_arrival
-    held = config.usable_kv_blocks - replica.free_blocks
-    return (len(replica.waiting) + unprocessed, len(replica.running),
-            np.float32(held) / np.float32(config.usable_kv_blocks))
+def _metrics(replica: _Engine, at_s: float) -> tuple:
+    """What a replica's metrics say at ``at_s`` (replayed to it): requests waiting, running, and the share of
+    its usable KV blocks held (float32). While a step is in flight they are those of the boundary it was
+    scheduled at (`_Batch.seen`: under async scheduling, with it scheduled and the step before it processed);
+    with none in flight, the replica's as it stands."""
+    usable = np.float32(replica.config.usable_kv_blocks)
+    step = replica.last_launched
+    if step is not None and step.start_s < at_s < step.end_s:
+        waiting, running, held = step.seen
+    else:
+        waiting, running, held = replica.metrics()
+    return waiting, running, np.float32(held) / usable
+
+
+def _outstanding(replica: _Engine, at_s: float) -> int:
+    """The requests the router sent a replica that have not finished by ``at_s``: neither completed (their last
+    token left) nor refused by then."""
+    return sum(1 for r in replica.requests if not (r.finish_s <= at_s or r.refused_s <= at_s))
 
 
 def _prefix_hit(workload: Workload, share: list[int], request_id: int, scheduler: SchedulerConfig) -> np.float32:
@@ -158,8 +170,9 @@ def simulate_groups_reference(workload: Workload, groups: Sequence, cluster: Clu
     share as a lone engine of its group would. ``groups``: each with ``count``, ``scheduler``, ``cost_fn`` and
     ``cost_params`` (cluster_simulator.EngineGroup), the replicas numbered group by group; ``cluster.replicas``
     is not read. A replica's load at time t is read off the single-engine reference run of the requests sent to
-    it so far, stopped at t (every step that starts before t run, no decision at or after t taken): the plain
-    definition, replayed from the start for every decision."""
+    it so far, stopped at t (every step that starts before t run, no decision at or after t taken): its metrics
+    as recorded when its last step completed by t (`_metrics`) and the requests not finished by t
+    (`_outstanding`), the plain definitions, replayed from the start for every decision."""
     n = workload.num_requests
     engines = [group for group in groups for _ in range(group.count)]
     refused = np.zeros(n, bool) if rate_limited is None else np.asarray(rate_limited, bool)
@@ -178,7 +191,7 @@ def simulate_groups_reference(workload: Workload, groups: Sequence, cluster: Clu
         return engine
 
     def loads(at_s: float) -> list[tuple]:
-        return [_signals(replica(r, at_s)) for r in range(len(engines))]
+        return [_metrics(replica(r, at_s), at_s) for r in range(len(engines))]
 
     seen: Optional[list] = None
     reported_at = -math.inf
@@ -192,10 +205,13 @@ def simulate_groups_reference(workload: Workload, groups: Sequence, cluster: Clu
                 seen, reported_at = loads(report), report
         if refused[i]:
             continue
-        load = seen if cluster.signal_delay_s > 0 else loads(arrival)
-        # The router knows each cache from the requests it sent: prefix_hit is never a delayed report.
+        now = [replica(r, arrival) for r in range(len(engines))]
+        load = seen if cluster.signal_delay_s > 0 else [_metrics(engine, arrival) for engine in now]
+        # The router counts the requests it sent and knows each cache from them: outstanding and prefix_hit are
+        # never delayed reports.
+        outstanding = [_outstanding(engine, arrival) for engine in now]
         hits = [_prefix_hit(workload, shares[r], i, engines[r].scheduler) for r in range(len(engines))]
-        r = router.choose(i, [(*signals, hit) for signals, hit in zip(load, hits)])
+        r = router.choose(i, [(*signals, hit) for signals, hit in zip(load, hits)], outstanding)
         replica_of[i] = r
         shares[r].append(i)
 

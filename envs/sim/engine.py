@@ -247,7 +247,7 @@ def _decide(trace, params, state, num_slots, queue: "WaitingQueue") -> Decision:
     # -- 1. arrivals: the API server's refusals, then the back of the waiting queue ---------------------
     state, more_due, arrived = _process_arrivals(trace, params, state, queue)
     past_horizon = df_le(params.horizon_hi, params.horizon_lo, state.clock_hi, state.clock_lo)
-    live = _live(state, params)
+    live = is_live(state, params)
     active = ~more_due & ~past_horizon & live
     # -- 1b. the queue's front: a scored queue ranks the waiting requests here ----------------------------
     state, front = queue.front(trace, params, state, arrived, active, num_slots)
@@ -285,18 +285,26 @@ def decided(trace, params, state, num_slots, queue: "WaitingQueue") -> EngineSta
 
 
 def iteration(trace, params, state, cost_fn, num_slots, queue: "WaitingQueue",
-              lookahead_steps: int = LOOKAHEAD_STEPS):
+              lookahead_steps: int = LOOKAHEAD_STEPS, horizon_ends_steps=None, report: Optional[Callable] = None):
     """One turn of the loop: the decision at a step boundary, as vLLM's ``Scheduler.schedule()`` takes it, then
     the steps it launches, to the next boundary. ``queue`` is the waiting queue's implementation (`RingQueue`
     for fcfs, `PoolQueue` for the scored orders), chosen once from the policy: `waiting_queue`. A run applies at
-    most ``lookahead_steps`` steps (a loop whose runs are cut short anyway costs less with fewer)."""
+    most ``lookahead_steps`` steps (a loop whose runs are cut short anyway costs less with fewer).
+
+    ``horizon_ends_steps`` (a traced bool; None: never) makes every step of a run after the first end by the
+    horizon, so that a run ending past it is one step, the one in flight at the horizon. ``report`` (None:
+    nothing) is called as ``report(before, boundary, decided)`` on the state the iteration starts from, that
+    state with the boundary's arrivals processed, and with its decision taken (before the step runs); the
+    iteration then returns ``(state, report's value)``. A router reads a replica from these
+    (envs/sim/cluster.py): what it reports is as of the boundary before the step in flight."""
+    before = state
     d = _decide(trace, params, state, num_slots, queue)
     state, boundary, tokens = d.state, d.boundary, d.tokens
     # -- 6. the scheduled step and the run of steps of its shape after it (else 5. idle) -----------------
     busy = _any(tokens > 0)
     front_blocks = queue.front_blocks(params, d.front, d.admitted, d.preempted, num_slots)
     stepped = _advance(trace, params, state, state.slots, tokens, cost_fn, num_slots, queue, front_blocks,
-                       lookahead_steps)
+                       lookahead_steps, horizon_ends_steps)
     # A decision taken a step early that schedules nothing is taken again now, on what this boundary sees
     # (with nothing scheduled `_advance` only drops the requests that left).
     retaken = replace(state, slots=stepped.slots, num_running=stepped.num_running,
@@ -307,12 +315,15 @@ def iteration(trace, params, state, cost_fn, num_slots, queue: "WaitingQueue",
     # The slot count is a capacity bound, not a knob: if it ever binds, the caller reruns with more.
     table_full = (d.end + d.admitted >= num_slots) & (num_slots < params.max_num_seqs) & ~params.static_batching
     slots_filled = boundary.slots_filled | (d.active & table_full)
-    return replace(after,
+    after = replace(after,
         # A run that outgrew its tables is rerun with larger ones, so it may stop here.
         ended=after.ended | (~d.more_due & d.past_horizon) | slots_filled | after.pool_filled,
         iterations=boundary.iterations + d.live.astype(i32),
         slots_filled=slots_filled,
     )
+    if report is None:
+        return after
+    return after, report(before, boundary, choose(d.active, d.state, boundary))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1440,7 +1451,7 @@ class Compacted(NamedTuple):
 
 
 def _advance(trace, params, state, slots, tokens, cost_fn, num_slots, queue: "WaitingQueue", front_blocks,
-             lookahead_steps):
+             lookahead_steps, horizon_ends_steps=None):
     """Run the scheduled step, then the steps that follow it before any event.
 
     After the scheduled step (step 0) the next steps repeat its shape while every running request fits
@@ -1457,7 +1468,7 @@ def _advance(trace, params, state, slots, tokens, cost_fn, num_slots, queue: "Wa
     """
     look = _look_ahead(params, state, slots, tokens, num_slots, lookahead_steps)
     times = _step_times(params, cost_fn, look.batch)
-    run = _run_length(trace, params, state, slots, look, times, queue, front_blocks)
+    run = _run_length(trace, params, state, slots, look, times, queue, front_blocks, horizon_ends_steps)
     gaps = _gap_statistics(state, slots, look, times, run)
     grown, finished = _grown(params, slots, look, run, gaps)
     requests = _record_outcomes(trace, state, grown, look, run, gaps, finished)
@@ -1577,8 +1588,9 @@ def _step_times(params, cost_fn, batch: StepBatch) -> StepTimes:
 
 
 def _run_length(trace, params, state, slots, look: LookAhead, times: StepTimes, queue: "WaitingQueue",
-                front_blocks) -> Run:
-    """The run: the look-ahead's steps up to the first event the scheduler acts on."""
+                front_blocks, horizon_ends_steps=None) -> Run:
+    """The run: the look-ahead's steps up to the first event the scheduler acts on, each starting before the
+    horizon (with ``horizon_ends_steps``: each after the first ending by it)."""
     zero = look.zero
     budget = params.max_num_batched_tokens
     num_running = state.num_running
@@ -1619,7 +1631,10 @@ def _run_length(trace, params, state, slots, look: LookAhead, times: StepTimes, 
     steps = look.j.shape[0]
     first_gain = jnp.zeros(steps, i32).at[jnp.where(look.decoder, spare + 1, steps)].add(1, mode="drop")
     need_bound = look.held + _sum(_gains_by(params.block_size, steps) * first_gain[:, None])
-    repeatable = zero | (look.continues & (look.members > 0) & ~admits & ~look.past_prefill & (starts < to_horizon)
+    in_time = starts < to_horizon
+    if horizon_ends_steps is not None:
+        in_time = in_time & (~horizon_ends_steps | (ends <= to_horizon))
+    repeatable = zero | (look.continues & (look.members > 0) & ~admits & ~look.past_prefill & in_time
                          & (need_bound <= params.usable_kv_blocks))
     if slots.skipped is not None:
         repeatable = repeatable & (zero | ~_window_frees_at(params, slots, look))
@@ -1870,8 +1885,10 @@ def flush_running(state: EngineState) -> EngineState:
     return replace(state, requests=req)
 
 
-def _live(state: EngineState, params: EngineParams):
+def is_live(state: EngineState, params: EngineParams):
+    """The run has not ended: its next iteration does something."""
     return ~state.ended & (state.iterations < params.max_iterations)
+
 
 
 def ended_at_horizon(trace: Trace, params: EngineParams, state: EngineState) -> EngineState:
@@ -1891,7 +1908,7 @@ def run(trace: Trace, params: EngineParams, cost_fn: Callable, num_slots: int,
     """Simulate the whole workload; pure, so it can be jitted. ``queue_shape`` None is the fcfs queue."""
     state = init_state(trace, params, num_slots, queue_shape)
     state = jax.lax.while_loop(
-        lambda s: _live(s, params),
+        lambda s: is_live(s, params),
         lambda s: iteration(trace, params, s, cost_fn, num_slots, waiting_queue(queue_shape)),
         state,
     )
@@ -1906,7 +1923,7 @@ def run_from(trace: Trace, params: EngineParams, state: EngineState, cost_fn: Ca
     """
     state = replace(state, ended=jnp.asarray(False))
     return jax.lax.while_loop(
-        lambda s: _live(s, params),
+        lambda s: is_live(s, params),
         lambda s: iteration(trace, params, s, cost_fn, num_slots, waiting_queue(queue_shape)),
         state,
     )
@@ -1984,19 +2001,31 @@ def interval_runner(cost_fn: Callable, num_slots: int, queue_shape: Optional[Que
     return run
 
 
-def while_any_live(body: Callable, params, state, trace=None):
+def while_any_live(body: Callable, params, state, trace=None, carried=None):
     """Iterate a batch of runs (leading axis on params and state; on trace too when given) while any is live:
-    ``body(params, state, trace)`` is one run's iteration."""
+    ``body(params, state, trace)`` is one run's iteration. With ``carried`` (a pytree with the runs' leading
+    axis), ``body(params, state, trace, carried)`` returns ``(state, carried)`` and the loop returns both."""
     trace_axis = None if trace is None else 0
+    if carried is None:
+        def one_run(p, s, t):
+            with _tracing_runs_axis():
+                return body(p, s, t)
 
-    def one_run(p, s, t):
+        return jax.lax.while_loop(
+            lambda s: jnp.any(jax.vmap(is_live)(s, params)),
+            lambda s: jax.vmap(one_run, in_axes=(0, 0, trace_axis), axis_name=RUNS_AXIS)(params, s, trace),
+            state,
+        )
+
+    def one_run_carrying(p, s, t, c):
         with _tracing_runs_axis():
-            return body(p, s, t)
+            return body(p, s, t, c)
 
     return jax.lax.while_loop(
-        lambda s: jnp.any(jax.vmap(_live)(s, params)),
-        lambda s: jax.vmap(one_run, in_axes=(0, 0, trace_axis), axis_name=RUNS_AXIS)(params, s, trace),
-        state,
+        lambda sc: jnp.any(jax.vmap(is_live)(sc[0], params)),
+        lambda sc: jax.vmap(one_run_carrying, in_axes=(0, 0, trace_axis, 0), axis_name=RUNS_AXIS)(
+            params, sc[0], trace, sc[1]),
+        (state, carried),
     )
 
 

@@ -128,6 +128,7 @@ class _Request:
     first_token_s: float = math.nan
     last_token_s: float = math.nan
     finish_s: float = math.nan
+    refused_s: float = math.nan    # when the engine refused it (a router stops counting it then)
     preemptions: int = 0
     max_itl_s: float = math.nan
     itl_sum_sq_s2: float = 0.0
@@ -173,6 +174,7 @@ class _Batch:
     samples: list[bool] = field(default_factory=list)        # per item: it emits a token at the step's end
     preemptions: list[int] = field(default_factory=list)     # per item: its preemption count at launch
     weights: tuple[int, int] = (0, 0)    # KV blocks held and requests in the system, as it was scheduled
+    seen: Optional[tuple[int, int, int]] = None   # the engine's metrics while it runs (`_Engine.metrics`)
 
 
 def _blocks_for(tokens: int, block_size: int) -> int:
@@ -262,6 +264,10 @@ class _Engine:
         self.in_flight: deque[_Batch] = deque()
         self.gpu_free_s = -math.inf        # when the last launched step ends
         self.last_completed: Optional[_Batch] = None
+        # What the engine's metrics said when the last launched step was scheduled (`_Batch.seen`): a router
+        # reads them while that step is in flight.
+        self.last_launched: Optional[_Batch] = None
+        self.boundary_seen: tuple[int, int, int] = (0, 0, 0)
         # The engine is idle before anything arrives, so start at the first arrival; like any idle jump,
         # that start stops at the horizon.
         first_arrival = self.requests[0].arrival_s if self.requests else 0.0
@@ -288,6 +294,7 @@ class _Engine:
                 pipelined = self.batch_queue_size > 1 and last is not None and last.end_s == self.clock
                 self.process_arrivals(last.start_s if pipelined else self.clock)
                 return
+            self.boundary_seen = self.metrics()
             self.process_arrivals(self.clock)
             # No step starts at or after the horizon, so none is scheduled to.
             decides = (self.waiting or self.running) and self.next_step_start() < self.horizon_s
@@ -331,7 +338,7 @@ class _Engine:
                 self.next_arrival += 1
             reason = self.rejection_reason(request)
             if reason != REJECT_NONE:
-                request.status, request.reject_reason = REJECTED, reason
+                request.status, request.reject_reason, request.refused_s = REJECTED, reason, self.clock
                 self.release_next_call(request, self.clock)   # the agent gets its error at this boundary
                 continue
             request.status = UNFINISHED
@@ -604,6 +611,10 @@ class _Engine:
                                             tuple(r.index for r in preempted)))
         if not scheduled:
             return   # nothing runs
+        # Scheduled with nothing in flight, it runs on what the boundary showed before its arrivals were taken
+        # in; scheduled while a step runs, on what that step's output leaves (set in `complete`).
+        batch.seen = None if self.in_flight else self.boundary_seen
+        self.last_launched = batch
         self.gpu_free_s = batch.end_s
         # Integrals weigh each step by what it was scheduled with, less requests whose last token is already
         # in flight (they leave when the step before this one ends).
@@ -641,9 +652,17 @@ class _Engine:
                 request.placeholders -= 1
             if samples:
                 self.emit_token(request, batch.end_s)
+        if self.in_flight:
+            # The step after this one was scheduled before its output was processed: the metrics a router
+            # reads while it runs are those of now, with that decision taken (vLLM's engine core).
+            self.in_flight[-1].seen = self.metrics()
 
     def held_blocks(self) -> int:
         return sum(r.blocks for r in self.running)
+
+    def metrics(self) -> tuple[int, int, int]:
+        """What the engine's metrics say as it stands: requests waiting, running, KV blocks held."""
+        return len(self.waiting), len(self.running), self.config.usable_kv_blocks - self.free_blocks
 
     def accumulate(self, duration: float, held_blocks: int, in_system: int) -> None:
         self.kv_block_seconds += held_blocks * duration
