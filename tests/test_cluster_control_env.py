@@ -49,14 +49,24 @@ def _episode(env, workload: int, action) -> tuple[float, dict, list]:
             return total, info, seen
 
 
-@pytest.mark.parametrize("delay", [None, "cluster.signal_delay_s=0.25"], ids=["exact load", "delayed load reports"])
-def test_fixed_weights_reproduce_simulate(delay):
-    overrides = LOADED["overrides"] + ([delay] if delay else [])
+# Each replica keeps its own prefix cache: three shared 32-token prefixes, a prefix_hit weight the action leaves
+# as the config's, and the router's outstanding count steered beside the metrics.
+PREFIXES = ["scheduler.enable_prefix_caching=true",
+            "workload.tenants=[{name: default, share: 1, prefix_tokens: 32, prefix_groups: 3}]",
+            "cluster.router_weights={queue: 1.0, running: 0.5, outstanding: 0.25, prefix_hit: 2.0}"]
+
+
+@pytest.mark.parametrize("extra, steered", [([], [1.0, 0.5, 0.0, 0.0]),
+                                            (["cluster.signal_delay_s=0.25"], [1.0, 0.5, 0.0, 0.0]),
+                                            (PREFIXES, [1.0, 0.5, 0.0, 0.25])],
+                         ids=["exact load", "delayed load reports", "prefix caches"])
+def test_fixed_weights_reproduce_simulate(extra, steered):
+    overrides = LOADED["overrides"] + extra
     env = gym.make(ENV_ID, **{**LOADED, "overrides": overrides}, miss_penalty=0.5)
     world = env.unwrapped.world
     action = np.asarray(world.params.config_action)
     # The config's action is the config's weights exactly (ties between replicas' scores depend on it).
-    np.testing.assert_array_equal(np.asarray(cc.decode_weights(action, world.params)), [1.0, 0.5, 0.0])
+    np.testing.assert_array_equal(np.asarray(cc.decode_weights(action, world.params)), steered)
     total, info, seen = _episode(env, 1, action)
     truth = simulate_config(variant_config(world.world.config, 1))
     assert truth.config.cluster.router == "weighted"
@@ -81,6 +91,9 @@ def test_fixed_weights_reproduce_simulate(delay):
     for key in ("request_goodput", "duration_s", "p99_ttft_ms", "mean_itl_ms"):
         assert info["metrics"][key] == pytest.approx(run[key], rel=1e-5), key
     assert info["metrics"]["routing_split"] == pytest.approx(truth.cluster["routing_split"])
+    if extra == PREFIXES:
+        assert run["prefix_cache_hit_rate"] > 0
+        assert info["metrics"]["prefix_cache_hit_rate"] == pytest.approx(run["prefix_cache_hit_rate"])
 
     for obs, step_info in seen:
         # The per-replica counts (read from each replica's slots and queue) add up to the cluster's, and to the
@@ -100,7 +113,7 @@ def test_check_env_passes_and_ansi_shows_the_weights_in_force():
     knobs = np.asarray(env.unwrapped.world.params.env.config_action)
     env.step(np.concatenate([cc.encode_weights({"queue": 2.0, "kv_utilization": 0.25},
                                                env.unwrapped.world.weight_bounds), knobs]))
-    assert env.render().rstrip().endswith("w_queue=2 w_running=0 w_kv_utilization=0.25")
+    assert env.render().rstrip().endswith("w_queue=2 w_running=0 w_kv_utilization=0.25 w_outstanding=0")
 
 
 def test_vector_env_agrees_with_single_envs_step_for_step():
@@ -170,8 +183,6 @@ def test_bad_configs_are_refused_in_one_line():
         gym.make(ENV_ID, config=CLUSTER, overrides=["cluster.signal_delay_s=0.3"], interval_s=1.0)
     with pytest.raises(ValueError, match=r"weight_bounds: queue: got \(2, 1\), expected \(low, high\)"):
         gym.make(ENV_ID, config=CLUSTER, weight_bounds={"queue": (2, 1)})
-    with pytest.raises(ValueError, match=r"cluster.yaml: scheduler.enable_prefix_caching: got true, expected false"):
-        gym.make(ENV_ID, config=CLUSTER, overrides=["scheduler.enable_prefix_caching=true"])
     with pytest.raises(ValueError, match=r"weight_bounds: unknown signal 'prefix_hit', expected one of queue, "
-                                         r"running, kv_utilization"):
+                                         r"running, kv_utilization, outstanding"):
         gym.make(ENV_ID, config=CLUSTER, weight_bounds={"prefix_hit": (0, 1)})

@@ -8,8 +8,11 @@ pure JAX functions in the gymnax style (envs/gym/core.py's ServeControl is the o
 (identical: ``scheduler`` on ``hardware`` each) and a router that reads their load; whatever that router is, the
 env routes with the **weighted** router (envs/sim/cluster.py: each arrival goes to the replica with the lowest
 ``sum_k w_k · signal_k`` over ``cluster.SIGNALS``, ties to the lowest index) and the action sets its weights.
+With prefix caching each replica keeps its own cache, fed by the requests routed to it, as ``simulate`` keeps
+them; the prefix_hit weight is the config's own throughout.
 
-**Action** (``cluster_action_names``): ``router_weight_<signal>`` for queue, running and kv_utilization, each
+**Action** (``cluster_action_names``): ``router_weight_<signal>`` for queue, running, kv_utilization and
+outstanding, each
 in [-1, 1] mapped linearly onto its bounds (option ``weight_bounds``, default [0, 4] each, grown to include the
 config's weight) and rounded to a multiple of 1/1024 (``WEIGHT_STEPS``), so that a weight like 1 or 0.5 is
 exactly that weight whatever float rounding the device does (ties between replicas' scores are common, and
@@ -27,9 +30,10 @@ limit at the router.
 **Observation** (``cluster_observation_names``): ServeControl's fields over the cluster -- queue_len,
 queued_tokens, running and backlog_<tenant> summed over replicas, kv_utilization their mean, the TTFT and ITL
 percentiles over every replica's requests, arrival_rate_rps the arrivals at the router -- then per replica
-``replica{r}_queue`` (requests sent to it and waiting, those it has not taken in yet included: the router's
-``queue`` signal), ``replica{r}_running`` and ``replica{r}_kv_utilization`` (ServeControl's running and
-kv_utilization of that replica), then the action in force (``knob_<name>``, action units).
+``replica{r}_queue`` (requests sent to it and waiting, those it has not taken in yet included: what it holds
+now, not the router's ``queue`` signal, which is as of its last completed step), ``replica{r}_running`` and
+``replica{r}_kv_utilization`` (ServeControl's running and kv_utilization of that replica), then the action in
+force (``knob_<name>``, action units).
 """
 from __future__ import annotations
 
@@ -49,22 +53,24 @@ from servetune.envs.gym.world import DEFAULT_INTERVAL_S, EnvParams, World, build
 from servetune.envs.sim import cluster as lockstep
 from servetune.envs.sim import engine
 from servetune.envs.sim.outcome import COMPLETED, NOT_ARRIVED, NOT_ROUTED, REJECTED
+from servetune.envs.workload.requests import take_rows
 from servetune.pytree import pytree_dataclass, replace, static_field
 
 f32, i32 = jnp.float32, jnp.int32
-# The weights the action steers: the load signals. The env keeps no per-replica prefix caches
-# (_checked_cluster refuses prefix caching), so the weighted router's prefix_hit weight stays 0.
-SIGNALS = lockstep.LOAD_SIGNALS
+# The weights the action steers: the load signals. The prefix_hit weight is the config's own (0 without prefix
+# caching, where no replica has hits to score).
+SIGNALS = (*lockstep.LOAD_SIGNALS, "outstanding")
+FIXED_SIGNALS = tuple(signal for signal in lockstep.SIGNALS if signal not in SIGNALS)
 DEFAULT_WEIGHT_BOUNDS = (0.0, 4.0)
 WEIGHT_STEPS = 1024   # a weight is a multiple of 1 / WEIGHT_STEPS
 # The routers an agent can take over: those that read the replicas' load as they run.
 STEERABLE_ROUTERS = tuple(router for router in ROUTERS if router not in STATE_FREE_ROUTERS)
 # The weighted router's weights an episode starts from when the config's router is another one: the
-# weighted router that picks as it does (least_outstanding's fewest queued plus running; power_of_two's
-# criterion without its sampling; least_kv's lowest KV utilisation, ties to the lowest index, not to the
-# fewest outstanding).
-STARTING_WEIGHTS = {"least_outstanding": {"queue": 1.0, "running": 1.0},
-                    "power_of_two": {"queue": 1.0, "running": 1.0},
+# weighted router that picks as it does (least_outstanding's fewest outstanding; power_of_two's criterion
+# without its sampling; least_kv's lowest KV utilisation, ties to the lowest index, not to the fewest
+# outstanding).
+STARTING_WEIGHTS = {"least_outstanding": {"outstanding": 1.0},
+                    "power_of_two": {"outstanding": 1.0},
                     "least_kv": {"kv_utilization": 1.0}}
 WEIGHTED = lockstep.ROUTER_CODE["weighted"]
 PER_REPLICA_FIELDS = ("queue", "running", "kv_utilization")
@@ -78,6 +84,9 @@ class ClusterParams:
     report_every_s: jnp.ndarray  # float32: the config's signal_delay_s (0: the router sees the load as it is)
     draws: jnp.ndarray          # int32[N, 2]: the router's draws, unread by the weighted router
     config_action: jnp.ndarray  # float32[len(SIGNALS) + knobs]: the starting weights and the config's knobs
+    fixed_weights: jnp.ndarray  # float32[len(FIXED_SIGNALS)]: the config's weights the action does not steer
+    prefix: Optional[lockstep.PrefixCaches]   # per bank workload (leading axis), every replica's empty cache;
+                                               # None without prefix caching
     num_replicas: int = static_field()
 
 
@@ -133,9 +142,6 @@ def _checked_cluster(config: Config) -> None:
     if not isinstance(config.cluster.replicas, int):
         raise ValueError(f"{where}: cluster.replicas: got {config.cluster.replicas!r}, expected a number of identical "
                          "replicas (the env does not steer replica groups yet)")
-    if config.scheduler.enable_prefix_caching:
-        raise ValueError(f"{where}: scheduler.enable_prefix_caching: got true, expected false (the env does not keep "
-                         "each replica's prefix cache yet)")
     if config.cluster.replicas == 1:
         raise ValueError(f"{where}: cluster.replicas: got 1, expected at least 2 (one replica has nothing to "
                          "route between: servetune/ServeControl-v0 steers a single engine)")
@@ -193,6 +199,7 @@ def build_cluster_world(config: Union[str, Path, Mapping, Config], *, overrides:
     starting = {signal: float(given.get(signal, 0.0)) for signal in SIGNALS}
     bounds = _weight_bounds(starting, weight_bounds)
     rows = world.params.bank.trace.prompt.shape[1]
+    fixed = dict(cluster.router_weights or ()) if cluster.router == "weighted" else {}
     params = ClusterParams(
         env=world.params,
         weight_low=jnp.asarray([bounds[s][0] for s in SIGNALS], f32),
@@ -200,9 +207,27 @@ def build_cluster_world(config: Union[str, Path, Mapping, Config], *, overrides:
         report_every_s=jnp.float32(cluster.signal_delay_s),
         draws=jnp.zeros((rows, 2), i32),
         config_action=jnp.concatenate([jnp.asarray(encode_weights(starting, bounds)), world.params.config_action]),
+        fixed_weights=jnp.asarray([float(fixed.get(signal, 0.0)) for signal in FIXED_SIGNALS], f32),
+        prefix=_bank_prefix_caches(world, rows, int(cluster.replicas)),
         num_replicas=int(cluster.replicas),
     )
     return ClusterWorld(world=world, params=params, weight_bounds=bounds, starting_weights=starting)
+
+
+def _bank_prefix_caches(world: World, rows: int, num_replicas: int) -> Optional[lockstep.PrefixCaches]:
+    """Every replica's empty prefix cache for each bank workload's window, stacked (tables sized alike), or None
+    when the replicas do not cache prefixes or the prompts have no block hashes."""
+    scheduler = world.config.scheduler
+    if not scheduler.enable_prefix_caching or world.workloads[0].hash_ids is None:
+        return None
+    windows = [take_rows(workload, np.arange(count), workload.arrival_s[:count])
+               for workload, count in zip(world.workloads, world.window_counts)]
+    sizes = lockstep.PrefixCacheSizes.of(windows[0])
+    for window in windows[1:]:
+        sizes = sizes.covering(lockstep.PrefixCacheSizes.of(window))
+    lanes_kv = [(scheduler.num_kv_blocks, scheduler.block_size)] * num_replicas
+    caches = [lockstep.prefix_caches(window, rows, lanes_kv, sizes) for window in windows]
+    return jax.tree_util.tree_map(lambda *tables: jnp.stack(tables), *caches)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -219,8 +244,10 @@ def _lane_params(params: ClusterParams, variant, knobs, horizon_hi, horizon_lo, 
 
 def _router(params: ClusterParams, weights) -> lockstep.RouterParams:
     """One config's weighted router (leading axis: configs, of which there is one)."""
-    unsteered = jnp.zeros(len(lockstep.SIGNALS) - len(SIGNALS), f32)
-    return lockstep.RouterParams(kind=jnp.asarray([WEIGHTED], i32), weights=jnp.concatenate([weights, unsteered])[None],
+    steered, fixed = dict(zip(SIGNALS, range(len(SIGNALS)))), dict(zip(FIXED_SIGNALS, range(len(FIXED_SIGNALS))))
+    every = jnp.stack([weights[steered[signal]] if signal in steered else params.fixed_weights[fixed[signal]]
+                       for signal in lockstep.SIGNALS])
+    return lockstep.RouterParams(kind=jnp.asarray([WEIGHTED], i32), weights=every[None],
                                  report_every_s=params.report_every_s[None])
 
 
@@ -304,7 +331,8 @@ def cluster_reset_to(variant, params: ClusterParams):
     trace = core.variant_trace(env, variant)
     knobs = params.config_action[len(SIGNALS):]
     lanes = _lane_params(params, variant, knobs, 0.0, 0.0, jnp.zeros(params.num_replicas, i32))
-    cs = lockstep.init_cluster(trace, lanes, env.num_slots, env.queue_shape, params.num_replicas)
+    prefix = None if params.prefix is None else jax.tree_util.tree_map(lambda x: x[variant], params.prefix)
+    cs = lockstep.init_cluster(trace, lanes, env.num_slots, env.queue_shape, params.num_replicas, prefix)
     state = ClusterControlState(cluster=cs, variant=variant, interval=jnp.asarray(0, i32),
                                 action=params.config_action, good=jnp.asarray(0, i32), missed=jnp.asarray(0, i32))
     return _observe(params, variant, trace, cs, cs, state.action, 0.0, 0.0), state

@@ -38,7 +38,11 @@ def cluster_episode_outcome(world: ClusterWorld, variant: int, cs: lockstep.Clus
         outcome = outcome_from_state(share, lane, horizon_s)
         # outcome_from_state's guard is the whole run's, while the environment guards each interval (and reports
         # a hit in the step's info).
-        outcome = dataclasses.replace(outcome, totals=dataclasses.replace(outcome.totals, truncated=False))
+        totals = dataclasses.replace(outcome.totals, truncated=False)
+        if cs.prefix is not None:   # each replica's cache counts what was looked up in it as requests were routed
+            totals = dataclasses.replace(totals, prefix_hit_units=int(cs.prefix.hit_units[r]),
+                                         prefix_looked_up_units=int(cs.prefix.looked_up_units[r]))
+        outcome = dataclasses.replace(outcome, totals=totals)
         outcomes.append(in_workload_order(workload, ids, outcome))
     refused = rate_limited(workload, world.world.config.workload.tenants)
     merged = merged_outcome(workload, replica, outcomes, refused, horizon_s)

@@ -158,19 +158,38 @@ class PrefixCaches:
     max_units: int = static_field()   # the most units one request has
 
 
-def prefix_caches(workload, rows: int, lanes_kv: Sequence[Optional[tuple[int, int]]]) -> Optional[PrefixCaches]:
+class PrefixCacheSizes(NamedTuple):
+    """A workload's prefix-cache tables, sized to powers of two as the request rows are, so that workloads of a
+    like size share a compiled cluster: the stamp columns, log entries and window past the workload's own are
+    never read."""
+    log_length: int    # the log: at least the workload's units
+    distinct: int      # the stamp columns: at least its distinct units
+    max_units: int     # the window: at least one request's units
+
+    @staticmethod
+    def of(workload) -> "PrefixCacheSizes":
+        counts = np.diff(np.asarray(workload.hash_offsets, np.int64))
+        return PrefixCacheSizes(power_of_two_at_least(len(workload.hash_ids), 16),
+                                power_of_two_at_least(len(np.unique(workload.hash_ids)), 16),
+                                power_of_two_at_least(int(counts.max(initial=0)), 1))
+
+    def covering(self, other: "PrefixCacheSizes") -> "PrefixCacheSizes":
+        return PrefixCacheSizes(*(max(a, b) for a, b in zip(self, other)))
+
+
+def prefix_caches(workload, rows: int, lanes_kv: Sequence[Optional[tuple[int, int]]],
+                  sizes: Optional[PrefixCacheSizes] = None) -> Optional[PrefixCaches]:
     """Empty caches for lanes whose KV cache is ``(num_kv_blocks, block_size)``, or None for a lane that does not
-    cache prefixes; the workload's units padded to ``rows`` requests. None when no lane caches or the workload's
-    prompts have no block hashes (then nothing can hit: every request's cached tokens are 0)."""
+    cache prefixes; the workload's units padded to ``rows`` requests and its tables to ``sizes`` (None: its own,
+    `PrefixCacheSizes.of`). None when no lane caches or the workload's prompts have no block hashes (then
+    nothing can hit: every request's cached tokens are 0)."""
     if workload.hash_ids is None or all(kv is None for kv in lanes_kv):
         return None
     offsets = np.asarray(workload.hash_offsets, np.int64)
     counts = np.diff(offsets)
-    distinct, dense = np.unique(workload.hash_ids, return_inverse=True)
-    # Tables sized to powers of two, as the request rows are, so that workloads of a like size share a compiled
-    # cluster: the stamp columns, log entries and window past the workload's own are never read.
-    total, max_units = len(dense), power_of_two_at_least(int(counts.max(initial=0)), 1)
-    log_length = power_of_two_at_least(total, 16)
+    _, dense = np.unique(workload.hash_ids, return_inverse=True)
+    sizes = PrefixCacheSizes.of(workload) if sizes is None else sizes.covering(PrefixCacheSizes.of(workload))
+    total, max_units, log_length = len(dense), sizes.max_units, sizes.log_length
     lanes = len(lanes_kv)
 
     def padded(values, fill):
@@ -184,7 +203,7 @@ def prefix_caches(workload, rows: int, lanes_kv: Sequence[Optional[tuple[int, in
         unit_start=padded(offsets[:-1], total), unit_count=padded(counts, 0),
         prompt=padded(workload.prompt_tokens, 1), unit_tokens=jnp.asarray(workload.hash_block_tokens, i32),
         capacity=jnp.asarray(capacity, i32), enabled=jnp.asarray([kv is not None for kv in lanes_kv]),
-        stamp=jnp.zeros((lanes, power_of_two_at_least(len(distinct), 16)), i32),
+        stamp=jnp.zeros((lanes, sizes.distinct), i32),
         log=jnp.zeros((lanes, log_length), i32),
         head=jnp.zeros(lanes, i32), size=jnp.zeros(lanes, i32), count=jnp.zeros(lanes, i32),
         cached_tokens=jnp.zeros((lanes, rows), i32), hit_units=jnp.zeros(lanes, i32),
