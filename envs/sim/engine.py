@@ -1890,7 +1890,6 @@ def is_live(state: EngineState, params: EngineParams):
     return ~state.ended & (state.iterations < params.max_iterations)
 
 
-
 def ended_at_horizon(trace: Trace, params: EngineParams, state: EngineState) -> EngineState:
     """`state` marked ended where its next iteration would only mark it so: an open-loop run standing at or
     past its horizon with no arrival due. That iteration decides nothing (past the horizon), processes no
@@ -2006,27 +2005,19 @@ def while_any_live(body: Callable, params, state, trace=None, carried=None):
     ``body(params, state, trace)`` is one run's iteration. With ``carried`` (a pytree with the runs' leading
     axis), ``body(params, state, trace, carried)`` returns ``(state, carried)`` and the loop returns both."""
     trace_axis = None if trace is None else 0
-    if carried is None:
-        def one_run(p, s, t):
-            with _tracing_runs_axis():
-                return body(p, s, t)
+    step = body if carried is not None else (lambda p, s, t, c: (body(p, s, t), c))
 
-        return jax.lax.while_loop(
-            lambda s: jnp.any(jax.vmap(is_live)(s, params)),
-            lambda s: jax.vmap(one_run, in_axes=(0, 0, trace_axis), axis_name=RUNS_AXIS)(params, s, trace),
-            state,
-        )
-
-    def one_run_carrying(p, s, t, c):
+    def one_run(p, s, t, c):
         with _tracing_runs_axis():
-            return body(p, s, t, c)
+            return step(p, s, t, c)
 
-    return jax.lax.while_loop(
+    state, carried_out = jax.lax.while_loop(
         lambda sc: jnp.any(jax.vmap(is_live)(sc[0], params)),
-        lambda sc: jax.vmap(one_run_carrying, in_axes=(0, 0, trace_axis, 0), axis_name=RUNS_AXIS)(
-            params, sc[0], trace, sc[1]),
-        (state, carried),
+        lambda sc: jax.vmap(one_run, in_axes=(0, 0, trace_axis, 0), axis_name=RUNS_AXIS)(params, sc[0], trace,
+                                                                                          sc[1]),
+        (state, () if carried is None else carried),
     )
+    return state if carried is None else (state, carried_out)
 
 
 def run_batched(trace: Trace, params: EngineParams, cost_fn: Callable, num_slots: int,
