@@ -29,6 +29,7 @@ WARMUP = 200
 
 
 def central_queue_waits(arrival_s, service_s, servers):
+    """Each customer's wait in a c-server FCFS queue fed from one line: it starts on the server free first."""
     free = np.zeros(servers)
     waits = np.empty(len(arrival_s))
     for k, (arrival, service) in enumerate(zip(arrival_s, service_s)):

@@ -12,9 +12,13 @@ arrivals, single-token prompts):
 * geometric service (the discrete exponential): the central M/G/c FCFS queue is a lower bound, round robin
   (each replica an E_c/G/1 queue) is beaten by join-the-shortest-queue, and sampling two replicas lies between
   seeing all of them and choosing at random.
-The central queue is simulated here on the same arrivals and service times, a few lines of NumPy.
+The central queue is simulated on the same arrivals and service times, a few lines of NumPy
+(benchmarks/bench_routers.py's `central_queue_waits`, which puts the same comparisons in a table).
 """
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,23 +30,14 @@ from servetune.envs.sim.cluster_simulator import simulate_cluster
 from servetune.envs.sim.outcome import COMPLETED
 from servetune.envs.workload.requests import Workload
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from bench_routers import central_queue_waits  # noqa: E402  (benchmarks/ is not a package)
+
 STEP_S = 1.0 / 64   # exact in float32
 ONE_SEAT = scheduler_config(max_num_seqs=1, max_num_batched_tokens=4096, num_kv_blocks=1 << 20)
 REQUESTS = 4000
 WARMUP = 200
 MEAN_SERVICE_STEPS = 4
-
-
-def central_queue_waits(arrival_s: np.ndarray, service_s: np.ndarray, servers: int) -> np.ndarray:
-    """Each customer's wait in a c-server FCFS queue fed from one line: it starts on the server free first."""
-    free = np.zeros(servers)
-    waits = np.empty(len(arrival_s))
-    for k, (arrival, service) in enumerate(zip(arrival_s, service_s)):
-        server = int(np.argmin(free))
-        start = max(arrival, free[server])
-        waits[k] = start - arrival
-        free[server] = start + service
-    return waits
 
 
 def poisson(seed: int, rate: float, output_tokens: np.ndarray) -> Workload:

@@ -37,6 +37,7 @@ force (``knob_<name>``, action units).
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -222,9 +223,7 @@ def _bank_prefix_caches(world: World, rows: int, num_replicas: int) -> Optional[
         return None
     windows = [take_rows(workload, np.arange(count), workload.arrival_s[:count])
                for workload, count in zip(world.workloads, world.window_counts)]
-    sizes = lockstep.PrefixCacheSizes.of(windows[0])
-    for window in windows[1:]:
-        sizes = sizes.covering(lockstep.PrefixCacheSizes.of(window))
+    sizes = functools.reduce(lockstep.PrefixCacheSizes.covering, map(lockstep.PrefixCacheSizes.of, windows))
     lanes_kv = [(scheduler.num_kv_blocks, scheduler.block_size)] * num_replicas
     caches = [lockstep.prefix_caches(window, rows, lanes_kv, sizes) for window in windows]
     return jax.tree_util.tree_map(lambda *tables: jnp.stack(tables), *caches)

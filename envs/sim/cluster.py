@@ -344,7 +344,7 @@ def _boundary_report(params):
 def _decided_view(trace, params, state, num_slots, queue):
     """The replica as its metrics describe it at the boundary where it stands (`_seen_view`), its decision
     there taken by `engine.decided` when it was taken a step early."""
-    return engine.choose(state.pipelined_now, engine.decided(trace, params, state, num_slots, queue), state)
+    return _seen_view(state, engine.decided(trace, params, state, num_slots, queue))
 
 
 def _rounded(products):
