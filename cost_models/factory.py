@@ -36,7 +36,7 @@ def build_cost_model(config: Config) -> tuple[Callable, Any]:
         if cost.kind == "roofline":
             calibration = roofline.Calibration()
         elif cost.kind == "calibrated":
-            calibration, _ = load_profile(find_profile(cost.profile, base_dir))
+            calibration, _ = load_profile(find_profile(cost.profile, base_dir, resolve_gpu(config.hardware.gpu).name))
         else:
             raise InvalidValue("cost_model.kind", cost.kind, "linear, roofline or calibrated")
         model = resolve_model(config.model, base_dir, config.quantization, config.kv_cache_dtype)

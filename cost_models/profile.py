@@ -15,6 +15,7 @@ it to another GPU or model is an extrapolation (the accuracy section says what i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -48,9 +49,10 @@ def shipped_profiles() -> list[Path]:
     return sorted(SHIPPED_PROFILES_DIR.glob("*.json"))
 
 
+@functools.lru_cache(maxsize=1)
 def shipped_profile_gpus() -> dict[str, Path]:
     """The GPU each shipped profile was measured on (its ``gpu`` field), mapped to the profile (the first by
-    file name when several were measured on one GPU)."""
+    file name when several were measured on one GPU). Read once: the shipped files are part of the package."""
     gpus: dict[str, Path] = {}
     for path in shipped_profiles():
         gpus.setdefault(load_profile(path)[1]["gpu"], path)
@@ -62,13 +64,19 @@ def shipped_profile_for(gpu: str) -> Optional[Path]:
     return shipped_profile_gpus().get(gpu)
 
 
-def find_profile(profile: Optional[str], base_dir: Optional[Path] = None) -> Path:
+def find_profile(profile: Optional[str], base_dir: Optional[Path] = None, gpu: Optional[str] = None) -> Path:
     """The profile file a config names: a path (relative ones tried from ``base_dir``, then the working
-    folder) or the file name of a shipped profile. An ``InvalidValue`` when there is none."""
+    folder) or the file name of a shipped profile; None is the profile shipped for ``gpu`` (a catalogue name).
+    An ``InvalidValue`` when there is none."""
     names = ", ".join(p.name for p in shipped_profiles())
     if profile is None:
-        raise InvalidValue("profile", None, f"a fitted profile for the calibrated cost model: a calibrate output "
-                                            f"or one of {names}")
+        shipped = None if gpu is None else shipped_profile_for(gpu)
+        if shipped is not None:
+            return shipped
+        measured = ", ".join(shipped_profile_gpus())
+        raise InvalidValue("profile", None, f"a fitted profile for the calibrated cost model on {gpu}: a calibrate "
+                                            f"output (servetune calibrate), or kind: roofline (profiles are shipped "
+                                            f"for {measured} only)")
     given = Path(profile).expanduser()
     candidates = [given] if given.is_absolute() else [
         *([base_dir / given] if base_dir is not None else []), given, SHIPPED_PROFILES_DIR / given.name]

@@ -516,8 +516,8 @@ def initial_calibration(config: Config, initial: Optional[str]) -> tuple[Calibra
     kind = config.cost_model.kind
     if kind == "calibrated":
         with as_config_fields():
-            return load_profile(find_profile(config.cost_model.profile, _config_dir(config)))[0], \
-                f"the config's profile {config.cost_model.profile}"
+            path = find_profile(config.cost_model.profile, _config_dir(config), resolve_gpu(config.hardware.gpu).name)
+            return load_profile(path)[0], f"the config's profile {path.name}"
     if kind == "linear":
         shipped = shipped_profile_for(resolve_gpu(config.hardware.gpu).name)
         if shipped is not None:

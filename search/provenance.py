@@ -114,6 +114,7 @@ _LATER_FIELDS = {
     "lengths": ("name", "input_len", "output_len", "range_ratio", "tokenizer"),
     "hardware": ("enable_expert_parallel",),
     "scheduler": ("sliding_window",),
+    "cost_model": ("allow_other_gpu",),
 }
 
 
@@ -123,10 +124,10 @@ _LATER_TOP_LEVEL_FIELDS = {"quantization": None, "kv_cache_dtype": "auto", "clus
 
 
 def _without_later_fields_at_default(data):
-    from servetune.config import ArrivalsConfig, HardwareConfig, LengthsConfig, SchedulerConfig
+    from servetune.config import ArrivalsConfig, CostModelConfig, HardwareConfig, LengthsConfig, SchedulerConfig
 
     defaults = {"arrivals": ArrivalsConfig(), "lengths": LengthsConfig(), "hardware": HardwareConfig(),
-                "scheduler": SchedulerConfig()}
+                "scheduler": SchedulerConfig(), "cost_model": CostModelConfig()}
     if isinstance(data, list):
         return [_without_later_fields_at_default(item) for item in data]
     if not isinstance(data, dict):

@@ -115,6 +115,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         raise UserError(CLUSTER_DETAIL_REFUSAL)
     report = simulate_config(config, args.window_s, percentiles)
     console = Console()
+    _print_defaulted(console, report.config)
     _print_report(console, args.config, report, percentile_metrics)
     if args.out:
         document = run_document(report, percentiles=percentiles, percentile_metrics=percentile_metrics,
@@ -267,6 +268,32 @@ def _print_report(console: Console, source: str, report,
     console.print(summary)
     if report.cluster is not None:
         console.print(_replica_table(report.cluster))
+
+
+def _print_defaulted(console: Console, config) -> None:
+    """The values the file left out and the config took, as vLLM would: which, and from what."""
+    if not config.defaulted:
+        return
+    console.print("left out of the file, so as vllm serve 0.33 runs:")
+    for key, value, origin in config.defaulted:
+        if value == "derived" and key.endswith("num_kv_blocks"):
+            value = _resolved_kv_blocks(config, key)
+        console.print(f"  {escape(key)}: [bold]{escape(_shown_value(value))}[/] [dim]({escape(origin)})[/]")
+
+
+def _resolved_kv_blocks(config, key: str) -> str:
+    """The block count a derived ``num_kv_blocks`` took: the config's, or its replica group's."""
+    cluster = config.cluster
+    if key.startswith("cluster.replicas[") and cluster is not None and cluster.has_groups:
+        index = int(key[len("cluster.replicas["):key.index("]")])
+        return f"{cluster.replicas[index].scheduler.num_kv_blocks:,}"
+    return f"{config.scheduler.num_kv_blocks:,}"
+
+
+def _shown_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return f"{value:,}" if isinstance(value, int) else str(value)
 
 
 def _replica_table(cluster: dict) -> Table:

@@ -120,8 +120,16 @@ class HardwareConfig:
 
 @dataclass(frozen=True)
 class CostModelConfig:
-    kind: Literal["linear", "roofline", "calibrated"] = "linear"
-    profile: Optional[Text] = None   # calibrated: path of a fitted profile JSON
+    # Left out of a file: calibrated, with the shipped profile measured on the config's GPU, when there is one;
+    # else the roofline on the GPU's datasheet (servetune.config_loader). Linear only when asked for. This value is
+    # the default GPU's, the A100-80GB's.
+    kind: Literal["linear", "roofline", "calibrated"] = "calibrated"
+    # calibrated: path of a fitted profile JSON, or a shipped profile's file name; null: the one shipped for the
+    # config's GPU (`servetune gpus` says which GPUs have one)
+    profile: Optional[Text] = None
+    # calibrated: a profile measured on another GPU than the config's is refused unless this is true, and then
+    # used with a warning that names both
+    allow_other_gpu: Bool = False
     # A step costs at most an hour, and a token or a context token a second: far beyond any GPU, within float32.
     base_s: Annotated[Float, Field(ge=0, le=3600)] = 0.010
     per_token_s: Annotated[Float, Field(ge=0, le=1)] = 0.00003
@@ -263,7 +271,9 @@ class WorkloadConfig:
 @dataclass(frozen=True)
 class SchedulerConfig:
     policy: Literal["continuous", "static"] = "continuous"
-    max_num_seqs: Annotated[Int, Field(ge=1, le=MAX_NUM_SEQS)] = 64
+    # Left out of a file, these two are vLLM 0.33's for the config's GPU (servetune/vllm_defaults.py); these values
+    # are its A100's, the default GPU's.
+    max_num_seqs: Annotated[Int, Field(ge=1, le=MAX_NUM_SEQS)] = 256
     max_num_batched_tokens: TokenCount = 2048
     enable_chunked_prefill: Bool = True
     long_prefill_token_threshold: Annotated[Int, Field(ge=0, le=MAX_TOKEN_COUNT)] = 0
@@ -283,7 +293,7 @@ class SchedulerConfig:
     queue_order: Literal["fcfs", "priority", "sjf", "fair", "edf", "weighted"] = "fcfs"
     priority_weights: Any = None     # weighted: {feature: weight} over the features in envs/sim/queue_order.py
     length_prediction_noise: LogSpread = 0.0   # sjf: sigma of the predictor's log error (0: the true length)
-    enable_prefix_caching: Bool = False
+    enable_prefix_caching: Bool = True    # vLLM 0.33's default (vllm/config/cache.py)
     # Tokens every layer attends to (vLLM's CacheConfig.sliding_window, set when all of the model's layers slide:
     # one SlidingWindowSpec group whose blocks behind the window are freed); 0: full attention. Unset, it is
     # filled from the model when the config resolves (servetune.pipeline.fill_derived); a value set by hand must
@@ -539,8 +549,17 @@ class Config:
     search: SearchConfig = field(default_factory=SearchConfig)
     rl: RlConfig = field(default_factory=RlConfig)
     source: Optional[str] = field(default=None, compare=False)  # file the config came from, for messages
+    # The values the loader filled in because the file left them out, as (key, value, where the value comes from),
+    # and what it warns of: said to the user (servetune simulate prints them), never part of the problem.
+    defaulted: tuple = field(default=(), compare=False)
+    warnings: tuple = field(default=(), compare=False)
 
     def to_dict(self) -> dict:
         data = dataclasses.asdict(self)
-        data.pop("source")
+        for name in LOADER_NOTES:
+            data.pop(name)
         return data
+
+
+# Config's fields that say how it was loaded, not what it describes.
+LOADER_NOTES = ("source", "defaulted", "warnings")

@@ -22,6 +22,7 @@ import difflib
 import functools
 import math
 import re
+import sys
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +35,7 @@ from pydantic.fields import FieldInfo
 
 from servetune.config import (
     MAX_CLOCK_S, MAX_KV_TOKENS, MAX_TOKEN_COUNT, ROUTER_FEATURES, STATE_FREE_ROUTERS, STEERABLE_KNOBS, VALIDATION, ArrivalsConfig, ClusterConfig,
-    Config, CostModelConfig,
+    LOADER_NOTES, Config, CostModelConfig,
     ColumnsConfig, Float, GpuDefinition, HardwareConfig, Int, KnobConfig, LengthsConfig, LognormalConfig, RampUpConfig,
     RangeRatioConfig, Rate, ReplicaGroupConfig, RlConfig, SchedulerConfig, SearchConfig, Seed, TenantConfig, TokenCount, WorkloadConfig,
 )
@@ -47,8 +48,9 @@ from servetune.envs.workload.traces import COLUMN_ROLES, TRACE_PARSERS
 from servetune.errors import ConfigError, InvalidValue, UserError, reading_user_file, shorten, show_yaml
 from servetune.objectives import OBJECTIVES, parse_objectives
 
-# `Config.source` records where a config came from; it is not something a user writes.
-_INTERNAL_FIELDS = {"source"}
+# `Config.source` records where a config came from, `defaulted` and `warnings` what loading it decided: not
+# something a user writes.
+_INTERNAL_FIELDS = set(LOADER_NOTES)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -933,14 +935,17 @@ MAX_REPLICAS = 4096
 ROUTER_WEIGHTS_KEY = "cluster.router_weights"
 
 
-def _check_cluster(config: Config, report: _Reporter, base_dir: Path) -> ClusterConfig:
+def _check_cluster(config: Config, report: _Reporter, base_dir: Path, written: frozenset) -> tuple:
     """A number of replicas or a list of replica groups (``_check_replica_groups``); router weights (a mapping of
     ROUTER_FEATURES to finite numbers, kept as pairs in ROUTER_FEATURES order) with the weighted router only; and
-    what the cluster simulator does not model yet, refused by name rather than simulated as something else."""
+    what the cluster simulator does not model yet, refused by name rather than simulated as something else.
+    Returns the cluster with the groups' defaulted values and warnings, keyed as the groups' keys."""
     cluster = config.cluster
     replicas = cluster.replicas
+    defaulted, warnings = (), ()
     if isinstance(replicas, (list, tuple)):
-        cluster = dataclasses.replace(cluster, replicas=_check_replica_groups(config, replicas, report, base_dir))
+        groups, defaulted, warnings = _check_replica_groups(config, replicas, report, base_dir, written)
+        cluster = dataclasses.replace(cluster, replicas=groups)
     elif not _has_type(replicas, Int) or not 1 <= replicas <= MAX_REPLICAS:
         raise report.bad_value("cluster.replicas", replicas, f"an integer in [1, {MAX_REPLICAS}], or a list of "
                                                              f"replica groups {GROUP_KEYS_TEXT}")
@@ -954,7 +959,7 @@ def _check_cluster(config: Config, report: _Reporter, base_dir: Path) -> Cluster
         if weights is not None:
             raise report.bad_value(ROUTER_WEIGHTS_KEY, weights, f"null unless router is weighted (it is "
                                                                 f"{cluster.router})")
-        return cluster
+        return cluster, defaulted, warnings
     expected = (f"a mapping of signal to weight, signals among {', '.join(ROUTER_FEATURES)}, at least one "
                 "weight non-zero (the lowest-scored replica takes the request)")
     pairs = _checked_weights(weights, ROUTER_WEIGHTS_KEY, ROUTER_FEATURES, expected, report)
@@ -963,7 +968,7 @@ def _check_cluster(config: Config, report: _Reporter, base_dir: Path) -> Cluster
         # The signal is 0 on every replica: the weight would be read by nothing.
         raise report.bad_value(f"{ROUTER_WEIGHTS_KEY}.prefix_hit", prefix_hit,
                                "0 when no replica caches prefixes (scheduler.enable_prefix_caching is false)")
-    return dataclasses.replace(cluster, router_weights=pairs)
+    return dataclasses.replace(cluster, router_weights=pairs), defaulted, warnings
 
 
 def _caches_prefixes(config: Config, cluster: ClusterConfig) -> bool:
@@ -1021,8 +1026,8 @@ def _merged_section(name: str, top: Any, own: dict) -> dict:
     return {**inherited, **own}
 
 
-def _check_replica_groups(config: Config, groups: Sequence, report: _Reporter,
-                          base_dir: Path) -> tuple[ReplicaGroupConfig, ...]:
+def _check_replica_groups(config: Config, groups: Sequence, report: _Reporter, base_dir: Path,
+                          written: frozenset) -> tuple[tuple[ReplicaGroupConfig, ...], tuple, tuple]:
     """``cluster.replicas`` as a list: each group a mapping of ReplicaGroupConfig's keys, its sections merged over
     the top-level ones (``_merged_section``) and checked as they are (``_check_engine``: the model must fit the
     group's GPU), named (by default its GPU's name), and the replicas in all within MAX_REPLICAS."""
@@ -1030,7 +1035,7 @@ def _check_replica_groups(config: Config, groups: Sequence, report: _Reporter,
         raise report.bad_value("cluster.replicas", [], f"a number of replicas, or a non-empty list of replica groups "
                                                        f"{GROUP_KEYS_TEXT}: replica groups with no replicas serve "
                                                        "nothing")
-    checked = []
+    checked, defaulted, warnings = [], [], []
     for index, data in enumerate(groups):
         where = f"cluster.replicas[{index}]"
         if isinstance(data, ReplicaGroupConfig):   # a config built in code, or checked before
@@ -1043,6 +1048,7 @@ def _check_replica_groups(config: Config, groups: Sequence, report: _Reporter,
         group = _validated(ReplicaGroupConfig, data, where, report)
         group_report = _GroupReporter(report, where)
         sections = {}
+        group_written = set(written)
         for name in GROUP_SECTIONS:
             own = getattr(group, name)
             if own is None:
@@ -1050,20 +1056,26 @@ def _check_replica_groups(config: Config, groups: Sequence, report: _Reporter,
                 continue
             if dataclasses.is_dataclass(own):
                 own = dataclasses.asdict(own)
+            if isinstance(own, dict):
+                group_written.update({name, *(f"{name}.{key}" for key in own)})
             if not isinstance(own, dict):
                 raise report.bad_value(f"{where}.{name}", own, f"a mapping of {name} keys, merged over the config's "
                                                                f"{name}")
             # Validated as a section of a config, whose pydantic settings (unknown keys refused) sections inherit.
             merged = _merged_section(name, getattr(config, name), own)
             sections[name] = getattr(_validated(Config, {name: merged}, "", group_report), name)
-        engine = _check_engine(dataclasses.replace(config, cluster=None, **sections), group_report, base_dir)
+        engine = _check_engine(dataclasses.replace(config, cluster=None, **sections), group_report, base_dir,
+                               frozenset(group_written))
+        defaulted += [(f"{where}.{key}", value, origin) for key, value, origin in engine.defaulted
+                      if key.split(".")[0] in GROUP_SECTIONS]
+        warnings += [group_report._shown(warning) for warning in engine.warnings]
         checked.append(dataclasses.replace(group, hardware=engine.hardware, cost_model=engine.cost_model,
                                            scheduler=engine.scheduler))
     total = sum(group.count for group in checked)
     if total > MAX_REPLICAS:
         raise report.bad_value("cluster.replicas", [group.count for group in checked],
                                f"counts summing to at most {MAX_REPLICAS} replicas (they sum to {total})")
-    return _named_groups(checked, report)
+    return _named_groups(checked, report), tuple(defaulted), tuple(dict.fromkeys(warnings))
 
 
 def _named_groups(groups: list, report: _Reporter) -> tuple[ReplicaGroupConfig, ...]:
@@ -1102,10 +1114,12 @@ def _check_groups_step_together(cluster: ClusterConfig, report: _Reporter) -> No
                                    f"lengths (under {', '.join(STATE_FREE_ROUTERS)} each group runs alone)")
 
 
-def _check_engine(config: Config, report: _Reporter, base_dir: Path) -> Config:
+def _check_engine(config: Config, report: _Reporter, base_dir: Path, written: frozenset) -> Config:
     """One engine's sections, hardware, cost_model and scheduler, by their own rules and against the model: the
-    config's top-level engine, and each replica group's (``_check_replica_groups``)."""
+    config's top-level engine, and each replica group's (``_check_replica_groups``). The keys not ``written``
+    take vLLM's defaults for the engine's GPU and model (``_with_vllm_defaults``)."""
     config = dataclasses.replace(config, hardware=_check_hardware(config.hardware, report, base_dir))
+    config = _with_vllm_defaults(config, written, base_dir)
     scheduler = config.scheduler
     if scheduler.long_prefill_token_threshold > 0 and not scheduler.enable_chunked_prefill:
         raise report.bad_value(
@@ -1116,18 +1130,107 @@ def _check_engine(config: Config, report: _Reporter, base_dir: Path) -> Config:
         raise report.bad_value("scheduler.async_scheduling", True,
                                "false or null with policy static (static batching has no vLLM engine to pipeline: "
                                "it is always synchronous)")
-    _check_cost_model(config, report, base_dir)
+    warning = _check_cost_model(config, report, base_dir)
     _check_unread_scheduler_fields(scheduler, report)
     _check_model_and_hardware(config, report, base_dir)
-    return dataclasses.replace(config, scheduler=_check_queue_order(scheduler, report))
+    return dataclasses.replace(config, scheduler=_check_queue_order(scheduler, report),
+                               warnings=(warning,) if warning else ())
 
 
-def _check_cross_field(config: Config, report: _Reporter, base_dir: Path) -> Config:
-    config = _check_engine(config, report, base_dir)
+# Where vLLM 0.33 takes the values servetune's own defaults already equal (vllm/config/cache.py,
+# vllm/config/scheduler.py, vllm/config/model.py): noted when a file leaves them out, so that what was simulated
+# is said.
+_VLLM_EQUAL_DEFAULTS = {
+    "hardware.gpu_memory_utilization": "vLLM's CacheConfig.gpu_memory_utilization (vllm/config/cache.py:215)",
+    "scheduler.block_size": "vLLM's CacheConfig.DEFAULT_BLOCK_SIZE (vllm/config/cache.py:185)",
+    "scheduler.enable_chunked_prefill": "vLLM 0.33 chunks the prefills of generative models by default",
+}
+
+
+def _with_vllm_defaults(config: Config, written: frozenset, base_dir: Path) -> Config:
+    """The engine as ``vllm serve`` runs it where the file says nothing: the batch limits by GPU and model
+    (servetune/vllm_defaults.py), prefix caching on, the cost model the GPU has a measured profile for; each value
+    not written is recorded in ``defaulted`` with where it comes from. A model or GPU that cannot be resolved is
+    left to ``_check_model_and_hardware`` to report."""
+    from servetune.vllm_defaults import defaulted_batch_limits
+
+    defaulted = []
+    try:
+        with as_config_fields():
+            gpu = resolve_gpu(config.hardware.gpu)
+            model = resolve_model(config.model, base_dir, config.quantization, config.kv_cache_dtype)
+    except UserError:
+        cost = _defaulted_cost_model(config.cost_model, config.hardware.gpu_name, written, defaulted)
+        return dataclasses.replace(config, cost_model=cost)
+    hardware, scheduler, cost, workload = config.hardware, config.scheduler, config.cost_model, config.workload
+    max_model_len = scheduler.max_model_len or workload.max_model_len or model.max_model_len
+    if not {"scheduler.max_model_len", "workload.max_model_len"} & written and model.max_model_len is not None:
+        defaulted.append(("scheduler.max_model_len", model.max_model_len,
+                          f"{model.name}'s context length, vLLM's default (vllm/config/model.py)"))
+    seats_given = scheduler.max_num_seqs if "scheduler.max_num_seqs" in written else None
+    budget_given = scheduler.max_num_batched_tokens if "scheduler.max_num_batched_tokens" in written else None
+    seats, budget, origin = defaulted_batch_limits(gpu, max_model_len, scheduler.enable_chunked_prefill,
+                                                   seats_given, budget_given)
+    if seats_given is None:
+        defaulted.append(("scheduler.max_num_seqs", seats, origin))
+    if budget_given is None:
+        defaulted.append(("scheduler.max_num_batched_tokens", budget, origin))
+    caching = scheduler.enable_prefix_caching
+    if "scheduler.enable_prefix_caching" not in written:
+        caching, origin = True, "vLLM's CacheConfig.enable_prefix_caching (vllm/config/cache.py:257)"
+        local = model.local_attention
+        if workload.sessions is not None:
+            caching, origin = False, ("vLLM's default is true, but servetune replays the prefix cache in arrival "
+                                      "order, which closed-loop sessions know only during the run")
+        elif local is not None and local.kind == "sliding" and local.num_layers == model.num_layers:
+            caching, origin = False, (f"vLLM's default is true, but servetune does not simulate it under "
+                                      f"{model.name}'s sliding window")
+        defaulted.append(("scheduler.enable_prefix_caching", caching, origin))
+    for key, origin in _VLLM_EQUAL_DEFAULTS.items():
+        if key not in written:
+            section, name = key.split(".")
+            defaulted.append((key, getattr(getattr(config, section), name), origin))
+    if "scheduler.async_scheduling" not in written and scheduler.policy == "continuous":
+        defaulted.append(("scheduler.async_scheduling", True, "vLLM 0.33 schedules a step ahead by default"))
+    if "scheduler.num_kv_blocks" not in written:
+        defaulted.append(("scheduler.num_kv_blocks", "derived",
+                          "what vLLM's start-up profile leaves for the cache (servetune memory)"))
+    cost = _defaulted_cost_model(cost, gpu.name, written, defaulted)
+    return dataclasses.replace(
+        config, cost_model=cost, defaulted=tuple(defaulted),
+        scheduler=dataclasses.replace(scheduler, max_num_seqs=seats, max_num_batched_tokens=budget,
+                                      enable_prefix_caching=caching))
+
+
+def _defaulted_cost_model(cost: CostModelConfig, gpu: str, written: frozenset, defaulted: list) -> CostModelConfig:
+    """Without a kind, the calibrated model with the profile shipped for the GPU (one measured on it), else the
+    roofline; a profile left null is the shipped one. Recorded in ``defaulted``."""
+    # Imported here: a profile is a roofline calibration, whose module needs JAX.
+    from servetune.cost_models.profile import shipped_profile_for
+
+    shipped = shipped_profile_for(gpu)
+    if "cost_model.kind" not in written and "cost_model.profile" not in written:
+        if shipped is None:
+            defaulted.append(("cost_model.kind", "roofline", f"no shipped profile was measured on {gpu}: the "
+                                                              f"roofline on its datasheet"))
+            return dataclasses.replace(cost, kind="roofline")
+        defaulted.append(("cost_model.kind", "calibrated", f"a profile measured on {gpu} is shipped"))
+        cost = dataclasses.replace(cost, kind="calibrated")
+    elif "cost_model.kind" not in written:
+        cost = dataclasses.replace(cost, kind="calibrated")
+    if cost.kind == "calibrated" and "cost_model.profile" not in written and shipped is not None:
+        defaulted.append(("cost_model.profile", shipped.name, f"the profile shipped for {gpu} (cost_models/profiles)"))
+    return cost
+
+
+def _check_cross_field(config: Config, report: _Reporter, base_dir: Path, written: frozenset) -> Config:
+    config = _check_engine(config, report, base_dir, written)
     config = dataclasses.replace(config, workload=_check_workload(config.workload, report, base_dir))
     _check_closed_loop_scheduler(config, report)
     if config.cluster is not None:
-        config = dataclasses.replace(config, cluster=_check_cluster(config, report, base_dir))
+        cluster, defaulted, warnings = _check_cluster(config, report, base_dir, written)
+        config = dataclasses.replace(config, cluster=cluster, defaulted=config.defaulted + defaulted,
+                                     warnings=config.warnings + warnings)
     config = dataclasses.replace(config, search=_check_search(config, report, base_dir))
     return dataclasses.replace(config, rl=_check_rl(config.rl, report))
 
@@ -1136,7 +1239,8 @@ _LINEAR_COEFFICIENTS = ("base_s", "per_token_s", "per_context_token_s")
 
 
 def _unread_linear_coefficient(kind: str, name: str) -> Optional[str]:
-    return None if kind == "linear" else f"it left out for the {kind} cost model ({name} is the linear model's)"
+    return None if kind == "linear" else (f"it left out for the {kind} cost model ({name} is the linear model's: "
+                                          f"set cost_model.kind: linear to use it)")
 
 
 def _check_cost_model(config: Config, report: _Reporter, base_dir: Path) -> None:
@@ -1153,17 +1257,39 @@ def _check_cost_model(config: Config, report: _Reporter, base_dir: Path) -> None
         if cost.profile is not None:
             raise report.bad_value("cost_model.profile", cost.profile, f"null for the {cost.kind} cost model "
                                                                        "(profile is the calibrated model's)")
-        return
+        if cost.allow_other_gpu:
+            raise report.bad_value("cost_model.allow_other_gpu", True, f"false for the {cost.kind} cost model "
+                                                                       "(it lets a calibrated profile of another GPU in)")
+        return None
     # Imported here: a profile is a roofline calibration, whose module needs JAX, which loading need not start.
     from servetune.cost_models.profile import find_profile, load_profile
 
+    gpu = config.hardware.gpu_name
     try:
         with as_config_fields():
-            load_profile(find_profile(cost.profile, base_dir))
+            path = find_profile(cost.profile, base_dir, _canonical_gpu(config.hardware.gpu))
+            measured_on = load_profile(path)[1]["gpu"]
     except InvalidValue as error:
         raise report.bad_value(error.name, error.value, error.expected) from None
     except UserError as error:   # a file that is no profile
         raise report.error("cost_model.profile", str(error)) from None
+    if _canonical_gpu(measured_on) == _canonical_gpu(config.hardware.gpu):
+        return None
+    if not cost.allow_other_gpu:
+        raise report.bad_value("cost_model.profile", cost.profile,
+                               f"a profile measured on {gpu}, the config's GPU (this one was measured on "
+                               f"{measured_on}): fit one with servetune calibrate, use kind: roofline, or set "
+                               f"cost_model.allow_other_gpu: true to apply it anyway")
+    return (f"{report.source}: cost_model.profile: {path.name} was measured on {measured_on} and is applied to "
+            f"{gpu} (cost_model.allow_other_gpu): its efficiencies are {measured_on}'s")
+
+
+def _canonical_gpu(gpu: Any) -> str:
+    """A GPU's catalogue name through its aliases; a defined GPU's or an unknown name as it is."""
+    if isinstance(gpu, GpuDefinition):
+        return gpu.name
+    spec = catalogue_gpu(str(gpu))
+    return str(gpu) if spec is None else spec.name
 
 
 # The scheduler fields only static batching reads.
@@ -1505,8 +1631,7 @@ def _check_scenarios(config: Config, scenarios: Any, report: _Reporter, base_dir
     expected = "a non-empty list of mappings of config key to value, such as [{workload.arrivals.rate: 6.0}]"
     if not isinstance(scenarios, (list, tuple)) or not scenarios:
         raise report.bad_value("search.scenarios", scenarios, expected)
-    base = dataclasses.asdict(config)
-    base.pop("source")
+    base = without_defaulted(config.to_dict(), config)
     base.pop("search")
     checked = []
     for index, scenario in enumerate(scenarios):
@@ -1525,6 +1650,19 @@ def _check_scenarios(config: Config, scenarios: Any, report: _Reporter, base_dir
                               else tuple(value) if isinstance(value, list) else value)
                              for key, value in scenario.items()))
     return tuple(checked)
+
+
+def without_defaulted(data: dict, config: Config) -> dict:
+    """``data``, the plain data of ``config``, less the keys the config took from vLLM's defaults: a variant of it
+    (a scenario on another GPU or model) then takes its own."""
+    for key, _, _ in config.defaulted:
+        holder = data
+        *path, name = re.split(r"\.|(?=\[)", key)
+        for part in path:
+            holder = holder[int(part[1:-1])] if part.startswith("[") else holder[part]
+        if isinstance(holder, dict):
+            holder.pop(name, None)
+    return data
 
 
 def _check_not_under_groups(where: str, key: str, config: Config, report: _Reporter) -> None:
@@ -1587,12 +1725,27 @@ def _trace_defaults(data: dict) -> dict:
     return {**data, "workload": {"lengths": {"kind": "trace"}, "num_requests": None, **workload}}
 
 
+def _written_keys(data: Any) -> frozenset:
+    """The engine sections and their keys that ``data`` writes, dotted (``scheduler``, ``scheduler.max_num_seqs``),
+    and ``workload.max_model_len``: what vLLM's defaults must not replace."""
+    if not isinstance(data, dict):
+        return frozenset()
+    keys = set()
+    for section in GROUP_SECTIONS:
+        if isinstance(data.get(section), dict):
+            keys.update({section, *(f"{section}.{key}" for key in data[section])})
+    workload = data.get("workload")
+    if isinstance(workload, dict) and workload.get("max_model_len") is not None:
+        keys.add("workload.max_model_len")
+    return frozenset(keys)
+
+
 def _build_config(data: Any, source: str, base_dir: Path, report: _Reporter) -> Config:
     internal = []
     if isinstance(data, dict):
         internal = [_unknown_key(key, list(_fields(Config)), "") for key in data if key in _INTERNAL_FIELDS]
         data = _trace_defaults({key: value for key, value in data.items() if key not in _INTERNAL_FIELDS})
-    config = _check_cross_field(_validated(Config, data, "", report, internal), report, base_dir)
+    config = _check_cross_field(_validated(Config, data, "", report, internal), report, base_dir, _written_keys(data))
     return dataclasses.replace(config, source=source)
 
 
@@ -1758,4 +1911,6 @@ def load_config(path: Union[str, Path], overrides: Sequence[str] = ()) -> Config
     report = _Reporter(source, overrides)
     config = _build_config(data, source, path.parent, report)
     _check_unread_keys(data, config, report)
+    for warning in config.warnings:   # what the file asked for knowingly, said on every command that reads it
+        print(f"servetune: warning: {warning}", file=sys.stderr)
     return config

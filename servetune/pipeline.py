@@ -314,4 +314,5 @@ def run_document(report: RunReport, *, percentiles: Sequence[float] = DEFAULT_PE
                                                   for replica in report.cluster["replicas"]]}
     return {**vllm, **own, **cluster, **timeline, "segments": report.segments, "timing": report.timing,
             "workload": report.workload.description, "config": report.config.to_dict(),
+            "defaulted": [{"key": key, "value": value, "from": origin} for key, value, origin in report.config.defaulted],
             "software": software_versions()}

@@ -72,7 +72,9 @@ def _met_share(replicas: int) -> float:
 # Knobs
 
 def _knobbed(knobs: dict, **cluster):
-    return config_from_dict({**_seats_data(**cluster), "search": {"knobs": knobs}}, source="c.yaml")
+    data = _seats_data(**cluster)
+    data["scheduler"]["enable_prefix_caching"] = False   # vLLM's default is on; these tests' engines cache nothing
+    return config_from_dict({**data, "search": {"knobs": knobs}}, source="c.yaml")
 
 
 def test_the_space_suggests_cluster_knobs_and_a_trial_assembles_the_router_weights():

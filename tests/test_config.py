@@ -55,6 +55,7 @@ def test_chat_example_is_the_issue_config():
         scheduler=SchedulerConfig(
             policy="continuous", max_num_seqs=64, max_num_batched_tokens=2048, enable_chunked_prefill=True,
             long_prefill_token_threshold=0, block_size=16, num_kv_blocks=8192, watermark=0.0, max_num_queued_reqs=None,
+            enable_prefix_caching=False,
         ),
         slo=SloConfig(ttft_ms=800.0, itl_ms=60.0, attainment_target=0.9),
         # Most configs serve the shipped load in full, so goodput ties: the study searches capacity instead.
@@ -131,7 +132,7 @@ def test_uniform_ranges_become_tuples():
 def test_exponent_floats_without_a_dot_are_numbers(tmp_path):
     # PyYAML alone reads `3e-5` as the string '3e-5' (YAML 1.1).
     path = tmp_path / "c.yaml"
-    path.write_text("cost_model: {per_token_s: 3e-5, per_context_token_s: 2E-7, base_s: 1e-2}\n")
+    path.write_text("cost_model: {kind: linear, per_token_s: 3e-5, per_context_token_s: 2E-7, base_s: 1e-2}\n")
     cost = load_config(path).cost_model
     assert (cost.per_token_s, cost.per_context_token_s, cost.base_s) == (3e-5, 2e-7, 1e-2)
 
@@ -604,9 +605,12 @@ def test_cross_field_rules():
         "c.yaml: scheduler.long_prefill_token_threshold: got 256, expected 0 when enable_chunked_prefill is false "
         "(the threshold caps prefill chunks)"
     )
-    assert config_error({"cost_model": {"kind": "calibrated"}}) == (
-        "c.yaml: cost_model.profile: got null, expected a fitted profile for the calibrated cost model: a calibrate "
-        "output or one of llama-2-7b_a100-80gb.json, llama-2-7b_h100-80gb.json"
+    # Without a profile, the calibrated model takes the one shipped for the GPU; a GPU without one has none.
+    assert config_from_dict({"cost_model": {"kind": "calibrated"}}).cost_model.profile is None
+    assert config_error({"hardware": {"gpu": "l40s"}, "cost_model": {"kind": "calibrated"}}) == (
+        "c.yaml: cost_model.profile: got null, expected a fitted profile for the calibrated cost model on l40s: a "
+        "calibrate output (servetune calibrate), or kind: roofline (profiles are shipped for a100-80gb, h100-80gb "
+        "only)"
     )
     chunked = config_from_dict({"scheduler": {"long_prefill_token_threshold": 256}})
     assert chunked.scheduler.long_prefill_token_threshold == 256
@@ -652,7 +656,7 @@ def refusal(data: dict) -> str:
           "workload": {"max_model_len": 16384}},
          ["c.yaml: scheduler.max_num_batched_tokens: 8192", "max_model_len 16384"]),
         # ... else the model's, as vLLM's default.
-        ({"scheduler": {"enable_chunked_prefill": False}},
+        ({"scheduler": {"enable_chunked_prefill": False, "max_num_batched_tokens": 2048}},
          ["c.yaml: scheduler.max_num_batched_tokens: 2048", "max_model_len 4096"]),
         # The model's, uncapped: vLLM refuses to start when its cache cannot hold it (4,096 / 16 = 256 blocks).
         ({"scheduler": {"num_kv_blocks": 200}}, ["c.yaml: scheduler.max_model_len: 4096", "256 KV blocks",
@@ -722,13 +726,13 @@ def test_without_any_max_model_len_the_engine_takes_what_the_kv_cache_holds(leng
     assert scheduler.max_model_len is None
     # The cache derived for Llama-2-7B on an A100-80GB (test_cost_models.py's sizes by hand): 80 GiB x 0.92
     # = 79,027,398,246.4 B, less 13,476,298,752 B of weights and a reserve of 2,048 tokens x 82,432 B
-    # + 64 seqs x 32,000 x 8 B + 1 GiB = 1,258,946,560 B, over 16 x 524,288 B a block: 7,664 blocks.
-    assert scheduler.num_kv_blocks == 7664
-    assert scheduler.model_len_limit == (7664 - 1) * 16   # vLLM's null block is no request's
+    # + 256 seqs x 32,000 x 8 B + 1 GiB = 1,308,098,560 B, over 16 x 524,288 B a block: 7,658 blocks.
+    assert scheduler.num_kv_blocks == 7658
+    assert scheduler.model_len_limit == (7658 - 1) * 16   # vLLM's null block is no request's
     assert refusal({"model": lengthless_model, "scheduler": {"enable_chunked_prefill": False,
                                                              "max_num_batched_tokens": 16384}}).startswith(
-        # a budget of 16,384 tokens reserves 16,384 x 82,432 B for activations: 7,523 blocks, 7,522 usable
-        "c.yaml: scheduler.max_num_batched_tokens: 16384 is below max_model_len 120352")
+        # a budget of 16,384 tokens reserves 16,384 x 82,432 B for activations: 7,517 blocks, 7,516 usable
+        "c.yaml: scheduler.max_num_batched_tokens: 16384 is below max_model_len 120256")
 
 
 @pytest.mark.parametrize(
@@ -803,12 +807,12 @@ def test_an_omitted_kv_cache_is_derived_as_vllm_sizes_it():
     config = config_from_dict({})
     assert config.scheduler.num_kv_blocks is None
     # Llama-2-7B on an A100-80GB at 0.92 (test_cost_models.py's sizes by hand): 80 GiB x 0.92 = 79,027,398,246.4 B,
-    # less 13,476,298,752 B of weights and 2,048 x 82,432 + 64 x 32,000 x 8 + 2^30 = 1,258,946,560 B of activations,
-    # over 16 x 524,288 B a block: 7,664 blocks.
-    assert resolve(config).scheduler.num_kv_blocks == 7664
+    # less 13,476,298,752 B of weights and 2,048 x 82,432 + 256 x 32,000 x 8 + 2^30 = 1,308,098,560 B of
+    # activations (vLLM's 256 seats on an A100), over 16 x 524,288 B a block: 7,658 blocks.
+    assert resolve(config).scheduler.num_kv_blocks == 7658
     # The GPU, TP and memory share change it as they change vLLM's.
-    assert resolve(config_from_dict({"hardware": {"gpu_memory_utilization": 0.5}})).scheduler.num_kv_blocks < 7664
-    assert resolve(config_from_dict({"hardware": {"tp": 2}})).scheduler.num_kv_blocks > 2 * 7664 - 2000
+    assert resolve(config_from_dict({"hardware": {"gpu_memory_utilization": 0.5}})).scheduler.num_kv_blocks < 7658
+    assert resolve(config_from_dict({"hardware": {"tp": 2}})).scheduler.num_kv_blocks > 2 * 7658 - 2000
 
 
 @pytest.mark.parametrize("data,expected", [
@@ -817,14 +821,14 @@ def test_an_omitted_kv_cache_is_derived_as_vllm_sizes_it():
     ({"hardware": {"tp": 3}}, "c.yaml: hardware.tp: got 3, expected a divisor of llama-2-7b's 32 attention heads "
                               "(vLLM splits them evenly over the GPUs)"),
     # 80 layers x 855,638,016 weights + 2 x 32,000 x 8,192 embeddings, 2 B each: 128.5 GiB on a 24 GiB GPU, with the
-    # cache given and the linear cost model; activations 2,048 x 102,400 x 2 B + 64 x 32,000 x 8 B + 1 GiB.
+    # cache given; activations 2,048 x 102,400 x 2 B + 256 x 32,000 x 8 B + 1 GiB.
     ({"model": "llama-2-70b", "hardware": {"gpu": "l4"}, "scheduler": {"num_kv_blocks": 1000}},
      "c.yaml: hardware.gpu: got 'l4', expected a GPU that holds llama-2-70b at tp=1: its weights take 128.5 GiB per "
-     "GPU and activations ~1.4 GiB of the 22.1 GiB that gpu_memory_utilization 0.92 allows, leaving no room for one "
+     "GPU and activations ~1.5 GiB of the 22.1 GiB that gpu_memory_utilization 0.92 allows, leaving no room for one "
      "KV block; raise tp or use a larger GPU"),
     ({"model": "./absent.json"}, f"c.yaml: model: {FIXTURES / 'absent.json'}: no such model config"),
-    # A given cache beyond what all of the GPU's memory holds beside the model (8,483 blocks here).
-    ({"scheduler": {"num_kv_blocks": 9000}}, "c.yaml: scheduler.num_kv_blocks: got 9000, expected at most 8,483: "
+    # A given cache beyond what all of the GPU's memory holds beside the model (8,477 blocks here).
+    ({"scheduler": {"num_kv_blocks": 9000}}, "c.yaml: scheduler.num_kv_blocks: got 9000, expected at most 8,477: "
                                              "that is what llama-2-7b leaves on a100-80gb ×1 with all of its memory, "
                                              "so vLLM could not allocate more"),
     ({"scheduler": {"num_kv_blocks": 2**20, "block_size": 512}},
@@ -850,7 +854,7 @@ def test_linear_coefficients_under_another_cost_model_are_refused():
     # A recorded config (config_from_dict) holds the defaults for every kind: only another value is refused there.
     assert config_error({"cost_model": {"kind": "roofline", "base_s": 0.02}}) == (
         "c.yaml: cost_model.base_s: got 0.02, expected it left out for the roofline cost model (base_s is the linear "
-        "model's)")
+        "model's: set cost_model.kind: linear to use it)")
     assert config_from_dict({"cost_model": {"kind": "roofline", "base_s": 0.01}}).cost_model.kind == "roofline"
 
 
@@ -860,7 +864,7 @@ def test_a_file_that_writes_a_field_its_settings_do_not_read_is_refused_whatever
     with pytest.raises(ConfigError) as raised:
         load_config(path)
     assert str(raised.value) == (f"{path}: cost_model.base_s: got 0.01, expected it left out for the roofline cost "
-                                 "model (base_s is the linear model's)")
+                                 "model (base_s is the linear model's: set cost_model.kind: linear to use it)")
     with pytest.raises(ConfigError, match="cost_model.base_s: got 0.01, expected it left out"):
         load_config(EXAMPLES / "chat.yaml", ["cost_model.kind=roofline"])
     assert load_config(EXAMPLES / "chat.yaml", ["cost_model={kind: roofline}"]).cost_model.kind == "roofline"
@@ -870,7 +874,7 @@ def test_a_file_that_writes_a_field_its_settings_do_not_read_is_refused_whatever
 
 
 @pytest.mark.parametrize("data,expected", [
-    ({"cost_model": {"profile": "llama-2-7b_a100-80gb.json"}},
+    ({"cost_model": {"kind": "linear", "profile": "llama-2-7b_a100-80gb.json"}},
      "cost_model.profile: got 'llama-2-7b_a100-80gb.json', expected null for the linear cost model"),
     ({"cost_model": {"kind": "calibrated", "profile": "absent.json"}},
      "cost_model.profile: got 'absent.json', expected an existing calibrate output or one of "),

@@ -230,9 +230,11 @@ def test_the_new_catalogue_gpus_carry_their_datasheet_figures(name, aliases, fig
     assert {field: getattr(gpu, field) for field in figures} == pytest.approx(figures, rel=1e-12)
     assert all(resolve_gpu(alias) is gpu for alias in aliases)
     assert gpu.source == f"[{name.upper()}]"   # the module docstring's citation
-    # all three hold more than 70 GiB and none is an A100: vLLM's larger defaults
+    # all three hold more than 70 GiB and none is an A100: vLLM's larger defaults, and from 160 GiB (the B200, the
+    # MI300X) its largest (EngineArgs.get_batch_defaults, vllm/engine/arg_utils.py:2973-2996)
     config = config_from_dict({"hardware": {"gpu": name}})
-    assert vllm_default_knobs(config)["scheduler.max_num_batched_tokens"] == 8192
+    budget = 16384 if figures["memory_bytes"] >= 160 * GIB else 8192
+    assert vllm_default_knobs(config)["scheduler.max_num_batched_tokens"] == budget
 
 
 def test_the_l40s_carries_its_datasheet_figures():

@@ -336,11 +336,12 @@ def test_the_expert_parallel_key_sizes_the_cache_and_prices_the_steps(tmp_path, 
         return config_from_dict({"model": str(path), "cost_model": {"kind": "roofline"},
                                  "hardware": {"gpu": "h100-80gb", "tp": 4, "enable_expert_parallel": expert_parallel}})
 
-    # The cache vLLM sizes at the defaults (utilization 0.92, 2048 batched tokens, 64 seats, blocks of 16): each
+    # The cache vLLM sizes at the defaults (utilization 0.92, and on an H100 8,192 batched tokens and 1,024 seats,
+    # blocks of 16): each
     # token's MoE activations are the residual stream twice and, for each of its 2 experts with the share 2/6 of
     # them this GPU holds, gate/up, activation and output; the sampler's FP32 logits and probabilities; 1 GiB.
-    activations = math.ceil(2 * h + 2 * (2 / 6) * (2 * width + width + h)) * 2 * 2048
-    reserve = activations + 64 * 32000 * 4 * 2 + GIB
+    activations = math.ceil(2 * h + 2 * (2 / 6) * (2 * width + width + h)) * 2 * 8192
+    reserve = activations + 1024 * 32000 * 4 * 2 + GIB
     block_bytes = 16 * 2 * layers * (8 // 4) * 128 * 2
     assert derive_num_kv_blocks(config(True)) == int((80 * GIB * 0.92 - ep_weights - reserve) // block_bytes)
     assert derive_num_kv_blocks(config(True)) < derive_num_kv_blocks(config(False))

@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from servetune.config import Config
-from servetune.config_loader import config_from_dict
+from servetune.config_loader import config_from_dict, without_defaulted
 from servetune.pipeline import cluster_gpus
 from servetune.search.evaluate import BatchEvaluator
 from servetune.objectives import (
@@ -48,7 +48,7 @@ def variants(config: Config) -> list[Variant]:
     """The study's config under each scenario and workload seed; the knobs are applied on top of these."""
     scenarios = config.search.scenarios or ((),)
     seeds = config.search.workload_seeds or (config.workload.seed,)
-    base = config_data(config)
+    base = without_defaulted(config_data(config), config)
     out = []
     for index, overrides in enumerate(scenarios):
         scenario_config = config
