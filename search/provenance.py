@@ -110,7 +110,7 @@ def content_data(config: Config) -> dict:
 # mapping of a request log, vLLM's --enable-expert-parallel, a sliding window given by hand). At their defaults they change nothing, so they enter
 # the hash only when set: studies and policy files made before they existed keep their hashes.
 _LATER_FIELDS = {
-    "arrivals": ("request_rate", "burstiness", "ramp_up", "columns", "timestamp_unit"),
+    "arrivals": ("request_rate", "burstiness", "ramp_up", "columns", "timestamp_unit", "max_concurrency"),
     "lengths": ("name", "input_len", "output_len", "range_ratio", "tokenizer"),
     "hardware": ("enable_expert_parallel",),
     "scheduler": ("sliding_window",),

@@ -164,6 +164,9 @@ class ArrivalsConfig:
     # vllm: --ramp-up-strategy, --ramp-up-start-rps and --ramp-up-end-rps as {strategy, start_rps, end_rps}
     # (RampUpConfig; request_rate then left out): request i's rate moves from start to end
     ramp_up: Any = None
+    # vllm: --max-concurrency (null: none): at most this many requests in flight; a request due while all are
+    # is sent when one ends, completed or refused (vllm/benchmarks/serve.py's semaphore)
+    max_concurrency: Optional[Annotated[Int, Field(ge=1, le=MAX_NUM_REQUESTS)]] = None
 
 
 @dataclass(frozen=True)

@@ -389,7 +389,7 @@ def _has_type(value: Any, hint: Any) -> bool:
 _ARRIVAL_FIELD_UNSET = {"rate": ArrivalsConfig().rate, "cv": None, "on_s": None, "off_s": None, "profile": None,
                         "time_scale": 1.0, "path": None, "format": None, "columns": None, "timestamp_unit": "auto",
                         "window_start_s": 0.0, "window_s": None, "jitter_s": 0.0, "request_rate": None,
-                        "burstiness": None, "ramp_up": None}
+                        "burstiness": None, "ramp_up": None, "max_concurrency": None}
 _ARRIVAL_FIELDS_READ = {
     "poisson": ("rate",),
     "gamma": ("rate", "cv"),
@@ -397,7 +397,7 @@ _ARRIVAL_FIELDS_READ = {
     "piecewise": ("profile", "time_scale"),
     "servegen": ("path", "time_scale"),
     "trace": ("path", "format", "columns", "timestamp_unit", "window_start_s", "window_s", "jitter_s"),
-    "vllm": ("request_rate", "burstiness", "ramp_up"),
+    "vllm": ("request_rate", "burstiness", "ramp_up", "max_concurrency"),
 }
 _ARRIVAL_EXPECTATIONS = {name: f"a number {FIELD_RANGES[f'workload.arrivals.{name}'].describe()}"
                          for name in ("rate", "cv", "on_s", "off_s")}
@@ -918,7 +918,19 @@ _CLOSED_LOOP_ONLY = {"scheduler.queue_order": "fcfs", "scheduler.enable_prefix_c
 def _check_closed_loop_scheduler(config: Config, report: _Reporter) -> None:
     """What closed-loop sessions do not combine with: scored queue orders read arrival times fixed before
     the run, and the prefix cache is replayed in arrival order before it; a call's arrival is known only
-    once its predecessor finished."""
+    once its predecessor finished. A client's --max-concurrency sends in request order, so the cache's replay
+    holds; the scores' arrival times do not, nor a tenant's own arrival stream or sessions."""
+    workload = config.workload
+    if workload.arrivals.max_concurrency is not None:
+        key, value = "workload.arrivals.max_concurrency", workload.arrivals.max_concurrency
+        if config.scheduler.queue_order != "fcfs":
+            raise report.bad_value(key, value, f"null with queue_order {config.scheduler.queue_order} (scored orders "
+                                               "read arrival times fixed before the run; a request is sent as a seat "
+                                               "frees)")
+        if workload.sessions is not None:
+            raise report.bad_value(key, value, "null with workload.sessions (sessions are their own closed loop)")
+        if workload.tenant_arrivals:
+            raise report.bad_value(key, value, "null when tenants bring their own arrivals (one client sends all)")
     if config.workload.sessions is None:
         return
     scheduler = config.scheduler
@@ -952,6 +964,10 @@ def _check_cluster(config: Config, report: _Reporter, base_dir: Path, written: f
     if config.workload.sessions is not None:
         raise report.bad_value("workload.sessions", "a mapping", "null with a cluster: closed-loop sessions behind "
                                "a router are not simulated yet")
+    if config.workload.arrivals.max_concurrency is not None:
+        raise report.bad_value("workload.arrivals.max_concurrency", config.workload.arrivals.max_concurrency,
+                               "null with a cluster: a client's concurrency limit behind a router is not simulated "
+                               "yet")
     if cluster.has_groups and cluster.router not in STATE_FREE_ROUTERS:
         _check_groups_step_together(cluster, report)
     weights = cluster.router_weights

@@ -16,8 +16,11 @@ agree to ~1e-7 of the time since the first arrival (compared at 1e-5); its integ
 Closed-loop agent sessions get the same treatment: ``NUM_SESSIONS`` sessions sharing the requests, with
 random think times (some on a grid of 1/8 s, so that released calls tie).
 
+So does ``vllm bench serve --max-concurrency``: ``NUM_SEATS`` requests in flight at most, each later one sent
+when a seat frees (or at its own time, if later).
+
 To reproduce a failure, the message names the workload seed: ``draw_group(seed)`` (``draw_group(seed,
-closed_loop=True)``) rebuilds its cases.
+closed_loop=True)``, ``draw_group(seed, seats=NUM_SEATS)``) rebuilds its cases.
 """
 from __future__ import annotations
 
@@ -54,6 +57,9 @@ FIRST_SEED = 20_000
 NUM_SESSIONS = 4           # closed-loop workloads: the engine compiles once per session count too
 NUM_CLOSED_LOOP_WORKLOADS = 100
 FIRST_CLOSED_LOOP_SEED = 30_000
+NUM_SEATS = 3              # --max-concurrency workloads: the engine compiles once per seat count
+NUM_SEAT_WORKLOADS = 60
+FIRST_SEAT_SEED = 40_000
 
 TIME_REL = 1e-5       # event times, relative to the time elapsed since the first arrival
 INTEGRAL_REL = 1e-4   # kv_block_seconds, in_system_seconds, itl_sum_sq_s2: float32 sums in the engine
@@ -73,7 +79,9 @@ class Case:
         rows = ", ".join(f"({float(a)!r}, {p}, {o})"
                          for a, p, o in zip(w.arrival_s, w.prompt_tokens, w.output_tokens))
         sessions = ""
-        if w.closed_loop:
+        if w.max_concurrency is not None:
+            sessions = f"\n  max_concurrency: {w.max_concurrency}"
+        elif w.closed_loop:
             sessions = f"\n  session: {list(w.session)}\n  think_s: {[float(t) for t in w.think_s]}"
         return (f"seed {self.seed} config {self.index}; horizon_s={self.horizon_s!r}\n"
                 f"  {self.scheduler}\n  {self.cost}\n  requests (arrival_s, P, O): [{rows}]{sessions}")
@@ -166,10 +174,13 @@ def draw_cost(rng: np.random.Generator) -> LinearCostParams:
     return linear(f32(rng.uniform(0.005, 0.05)), f32(rng.uniform(0.0, 2e-4)), f32(rng.uniform(1e-7, 2e-6)))
 
 
-def draw_group(seed: int, closed_loop: bool = False) -> list[Case]:
-    """One workload, its horizon, and CONFIGS_PER_WORKLOAD random configs with their cost models."""
+def draw_group(seed: int, closed_loop: bool = False, seats: Optional[int] = None) -> list[Case]:
+    """One workload, its horizon, and CONFIGS_PER_WORKLOAD random configs with their cost models; ``seats``:
+    the workload's requests sent under --max-concurrency."""
     rng = np.random.default_rng(seed)
     workload = draw_sessions(rng) if closed_loop else draw_workload(rng)
+    if seats is not None:
+        workload = dataclasses.replace(workload, max_concurrency=seats)
     horizon_s = None
     if rng.random() < 0.4:
         # Anywhere from before the first arrival to a few seconds after the last: midway through most runs.
@@ -196,12 +207,14 @@ def released_at_a_step_end(case: Case) -> bool:
                 and np.any(np.abs(released[:, None] - ends[None, :]) <= 1e-9 * np.maximum(1.0, ends)))
 
 
-def run_groups(seeds, closed_loop: bool = False) -> list[tuple[Case, SimulationOutcome, SimulationOutcome]]:
+def run_groups(seeds, closed_loop: bool = False,
+               seats: Optional[int] = None) -> list[tuple[Case, SimulationOutcome, SimulationOutcome]]:
     """Every case of the groups ``seeds`` with its reference outcome and its simulate_many outcome (closed-loop:
-    less the cases whose order of events rounding decides, see released_at_a_step_end)."""
+    less the cases whose order of events rounding decides, see released_at_a_step_end; a request sent as a
+    seat frees arrives at that step's end exactly, the same number on both sides, so all of those compare)."""
     out = []
     for seed in seeds:
-        cases = draw_group(seed, closed_loop)
+        cases = draw_group(seed, closed_loop, seats)
         engine = simulate_many(cases[0].workload, [c.scheduler for c in cases], step_time_s,
                                [c.cost for c in cases], horizon_s=cases[0].horizon_s)
         for case, jax_outcome in zip(cases, engine):
@@ -221,6 +234,11 @@ def results() -> list[tuple[Case, SimulationOutcome, SimulationOutcome]]:
 def closed_loop_results() -> list[tuple[Case, SimulationOutcome, SimulationOutcome]]:
     return run_groups(range(FIRST_CLOSED_LOOP_SEED, FIRST_CLOSED_LOOP_SEED + NUM_CLOSED_LOOP_WORKLOADS),
                       closed_loop=True)
+
+
+@pytest.fixture(scope="module")
+def seat_results() -> list[tuple[Case, SimulationOutcome, SimulationOutcome]]:
+    return run_groups(range(FIRST_SEAT_SEED, FIRST_SEAT_SEED + NUM_SEAT_WORKLOADS), seats=NUM_SEATS)
 
 
 # -- comparing two outcomes -------------------------------------------------------------------------
@@ -440,6 +458,32 @@ def test_closed_loop_cases_cover_every_release(closed_loop_results):
     assert not rare, f"fewer than {minimum} of {len(closed_loop_results)} cases had {rare}; all counts: {counts}"
     # The cases left out as decided by rounding stay rare.
     assert len(closed_loop_results) >= 0.99 * NUM_CLOSED_LOOP_WORKLOADS * CONFIGS_PER_WORKLOAD
+
+
+def test_max_concurrency_matches_reference(seat_results):
+    assert_agree(seat_results, "simulate_many (--max-concurrency)")
+
+
+def test_max_concurrency_cases_cover_every_send(seat_results):
+    """The draws keep producing what the comparison is meant to cover: a request sent when a seat freed
+    after it was due, one sent at its own time into a seat already free, a seat freed by a rejection, and
+    requests never sent before the horizon; and never more than NUM_SEATS in flight."""
+    counts = dict.fromkeys(["sent late", "sent on time", "freed by a rejection", "never sent"], 0)
+    for case, reference, _ in seat_results:
+        r, due = reference.requests, case.workload.arrival_s
+        later = np.arange(case.workload.num_requests) >= NUM_SEATS
+        sent = r.status != NOT_ARRIVED
+        counts["sent late"] += bool(np.any(later & sent & (r.arrival_s > due)))
+        counts["sent on time"] += bool(np.any(later & sent & (r.arrival_s == due)))
+        counts["freed by a rejection"] += bool(np.any(later & sent) and np.any(r.status == REJECTED))
+        counts["never sent"] += bool(np.any(later & ~sent))
+        ends = np.where(r.status == COMPLETED, r.finish_s, np.where(r.status == REJECTED, r.arrival_s, np.inf))
+        for at in r.arrival_s[sent]:
+            in_flight = np.sum((r.arrival_s <= at) & (ends > at) & sent)
+            assert in_flight <= NUM_SEATS, (case.describe(), at)
+    minimum = len(seat_results) // 50
+    rare = {event: n for event, n in counts.items() if n < minimum}
+    assert not rare, f"fewer than {minimum} of {len(seat_results)} cases had {rare}; all counts: {counts}"
 
 
 def test_closed_loop_bursts_beyond_one_iteration_match_reference():

@@ -211,6 +211,9 @@ def build_world(config: Union[str, Path, Mapping, Config], *, overrides: Sequenc
         # An episode is a window of arrivals fixed in advance; closed-loop calls arrive only as they are served.
         raise ValueError("the environments replay open-loop arrivals; workload.sessions (closed-loop agent "
                          "sessions) is not supported there, expected workload.sessions: null")
+    if config.workload.arrivals.max_concurrency is not None:
+        raise ValueError("the environments replay open-loop arrivals; workload.arrivals.max_concurrency (a closed "
+                         "loop of at most N in flight) is not supported there, expected null")
     if not (isinstance(interval_s, (int, float)) and math.isfinite(interval_s) and interval_s > 0):
         raise ValueError(f"interval_s: got {interval_s!r}, expected seconds > 0")
     if episode_s is None:

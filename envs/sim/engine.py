@@ -54,7 +54,7 @@ from servetune.envs.sim.outcome import (
 )
 from servetune.envs.sim.queue_order import DECODE_TOKEN_WEIGHT, FEATURES, PREFILL_TOKEN_WEIGHT
 from servetune.parallel import across_cores, use_all_cores
-from servetune.pytree import pytree_dataclass, replace
+from servetune.pytree import pytree_dataclass, replace, static_field
 from servetune.types import StepBatch
 
 # Batches of configs and envs are split across the cores (servetune/parallel.py): this must run before
@@ -94,6 +94,11 @@ class Trace:
     session: Any = None             # int32 session of each call
     think: Any = None               # float32 seconds from the previous call's end to this call's arrival
     first_call: Any = None          # int32[num_sessions] each session's first call
+    # vllm bench serve's --max-concurrency (0: none): a closed loop whose "sessions" are the client's N seats.
+    # A request is sent at its own time or when a seat frees, whichever is later; seats free as requests end
+    # (completed or refused) and take the requests not yet sent in id order. Then `first_call` is the first N
+    # requests and `session` and `think` are unread.
+    max_concurrency: int = static_field(default=0)
 
 
 # The fields an open-loop workload fills (the closed-loop ones stay None).
@@ -218,6 +223,9 @@ class EngineState:
     pending_call: Any = None
     pending_hi: Any = None   # +inf when none
     pending_lo: Any = None
+    pending_next: Any = None   # --max-concurrency only: the first request no seat has taken yet ...
+    pending_free_hi: Any = None   # ... and when the seat of each pending entry freed (-inf: a first seat)
+    pending_free_lo: Any = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -493,6 +501,10 @@ def init_state(trace: Trace, params: EngineParams, num_slots: int, queue_shape: 
         requests = replace(requests, arrival_hi=rz_f, arrival_lo=rz_f)
         closed_loop = dict(pending_call=trace.first_call, pending_hi=trace.arrival_hi[trace.first_call],
                            pending_lo=trace.arrival_lo[trace.first_call])
+        if trace.max_concurrency:
+            seats = trace.first_call.shape[0]
+            closed_loop.update(pending_next=jnp.asarray(seats, i32), pending_free_hi=jnp.full(seats, -jnp.inf, f32),
+                               pending_free_lo=jnp.zeros(seats, f32))
     # The clock starts at the first arrival -- or at the horizon, if nothing arrives before it.
     starts_at_horizon = df_le(params.horizon_hi, params.horizon_lo, trace.arrival_hi[0], trace.arrival_lo[0])
     return EngineState(
@@ -635,9 +647,14 @@ def _process_arrivals(trace: Trace, params: EngineParams, state: EngineState, qu
     if trace.think is not None:
         req = replace(req, arrival_hi=_set_where(req.arrival_hi, index, arrival_hi, due),
                       arrival_lo=_set_where(req.arrival_lo, index, arrival_lo, due))
+        if trace.max_concurrency:
+            state = _clear_sent(state, index, due, n)
         # A session's next call is released by this one's rejection, when the decision it came before was
         # taken (by its completion otherwise).
         state = _release_next_calls(trace, state, safe, due & ~accepted, due, _decided_at(state))
+        if trace.max_concurrency:
+            # A refusal frees its seat now: the request sent into it may be due at this very boundary.
+            more_due = _any(_due_at(params, state, state.pending_call < n, state.pending_hi, state.pending_lo))
     # A request arriving mid-step is in the system from its arrival, though processed at the boundary.
     waited = df_sub(state.clock_hi, state.clock_lo, arrival_hi, arrival_lo)
     next_arrival = state.next_arrival + jnp.sum(due, dtype=i32)
@@ -653,9 +670,58 @@ def _process_arrivals(trace: Trace, params: EngineParams, state: EngineState, qu
     return state, more_due, arrived
 
 
+def _clear_sent(state, ids, due, n):
+    """--max-concurrency: the seats whose requests `ids` arrived (where `due`) hold none pending now."""
+    taken = jnp.any((state.pending_call[None, :] == ids[:, None]) & due[:, None], axis=0)
+    return replace(state, pending_call=jnp.where(taken, n, state.pending_call),
+                   pending_hi=jnp.where(taken, jnp.inf, state.pending_hi),
+                   pending_lo=jnp.where(taken, 0.0, state.pending_lo),
+                   pending_free_hi=jnp.where(taken, jnp.inf, state.pending_free_hi),
+                   pending_free_lo=jnp.where(taken, 0.0, state.pending_free_lo))
+
+
+def _send_on_freed_seats(trace, state, calls, freed, at):
+    """--max-concurrency: each request that ended where `freed` (at `at`, hi and lo per entry) frees a seat of
+    the client's semaphore, which the next request not yet sent takes: sent at its own time or at the freeing,
+    whichever is later. Seats go to requests in the order they free (asyncio's semaphore wakes its waiters first
+    come, first served, and the benchmark creates them in request order). A refusal is taken at a boundary's
+    decision, which under async scheduling is earlier than completions the loop already released: so the
+    requests sent but not arrived yet (a run of ids) are dealt out again with the new seats, all in the order
+    their seats freed."""
+    n = trace.prompt.shape[0]
+    seats = state.pending_call.shape[0]
+    waiting = state.pending_call < n
+    # Every seat that holds a request not yet arrived, then every one that freed now: when each freed.
+    free_hi = jnp.concatenate([jnp.where(waiting, state.pending_free_hi, jnp.inf),
+                               jnp.where(freed, jnp.broadcast_to(at[0], freed.shape), jnp.inf)])
+    free_lo = jnp.concatenate([jnp.where(waiting, state.pending_free_lo, 0.0),
+                               jnp.where(freed, jnp.broadcast_to(at[1], freed.shape), 0.0)])
+    order = jnp.lexsort((free_lo, free_hi))[:seats]
+    count = _sum(waiting) + _sum(freed)
+    first = state.pending_next - _sum(waiting)
+    rank = jnp.arange(seats, dtype=i32)
+    sent = first + rank
+    sends = (rank < count) & (sent < n)
+    safe = jnp.minimum(sent, n - 1)
+    at_hi, at_lo = free_hi[order], free_lo[order]
+    gen_hi, gen_lo = trace.arrival_hi[safe], trace.arrival_lo[safe]
+    later = df_le(at_hi, at_lo, gen_hi, gen_lo)
+    return replace(state,
+        pending_call=jnp.where(sends, sent, n),
+        pending_hi=jnp.where(sends, jnp.where(later, gen_hi, at_hi), jnp.inf),
+        pending_lo=jnp.where(sends, jnp.where(later, gen_lo, at_lo), 0.0),
+        pending_free_hi=jnp.where(sends, at_hi, jnp.inf),
+        pending_free_lo=jnp.where(sends, at_lo, 0.0),
+        pending_next=jnp.minimum(first + count, n),
+    )
+
+
 def _release_next_calls(trace, state, calls, release, written, at):
     """For calls `calls` where `written`: their session's pending call becomes the next call, arriving its
-    think time after `at` (hi, lo) where `release` and the session has one, else none."""
+    think time after `at` (hi, lo) where `release` and the session has one, else none. Under
+    --max-concurrency a seat's next request is whichever is sent next (`_send_on_freed_seats`)."""
+    if trace.max_concurrency:
+        return _send_on_freed_seats(trace, state, calls, release & written, at)
     n = trace.prompt.shape[0]
     follower = jnp.minimum(calls + 1, n - 1)
     release = release & (calls + 1 < n) & (trace.session[follower] == trace.session[calls])
@@ -1477,7 +1543,10 @@ def _advance(trace, params, state, slots, tokens, cost_fn, num_slots, queue: "Wa
     if trace.think is not None:
         state = _release_next_calls(trace, state, grown.req, finished, finished, run.finish)
     kept = _compaction(params, grown, look, run, finished, num_slots)
-    cutoff_hi, cutoff_lo = df_add(run.end[0], run.end[1], -times.durations[run.extra])
+    # The last step's start, as the same sum that gives the finish of a request ending the step before, so that
+    # a request sent at that finish (--max-concurrency) is seen by the decision whose cutoff it ties.
+    cutoff_hi, cutoff_lo = df_add(state.clock_hi, state.clock_lo,
+                                  jnp.where(run.extra > 0, times.ends[jnp.maximum(run.extra - 1, 0)], 0.0))
     return replace(state,
         clock_hi=run.end[0], clock_lo=run.end[1],
         slots=kept.slots, num_running=kept.num_running, free_blocks=kept.free_blocks, requests=requests,

@@ -233,7 +233,19 @@ class _Engine:
         # released when its predecessor ends. `pending` is a heap of (arrival, id) of the released calls.
         self.closed_loop = workload.closed_loop
         self.pending: list[tuple[float, int]] = []
-        if self.closed_loop:
+        # --max-concurrency: the first N requests hold the client's seats; a seat that frees sends the next
+        # request not yet sent, at its own send time or at the freeing, whichever is later.
+        self.seats = workload.max_concurrency
+        self.send_s = [request.arrival_s for request in self.requests]
+        self.next_send = 0
+        if self.seats is not None:
+            for request in self.requests:
+                if request.index < self.seats:
+                    heapq.heappush(self.pending, (request.arrival_s, request.index))
+                    self.next_send += 1
+                else:
+                    request.arrival_s = math.inf
+        elif self.closed_loop:
             for request, session, think in zip(self.requests, workload.session, workload.think_s):
                 request.think_s = float(think)
                 follows = request.index > 0 and workload.session[request.index - 1] == session
@@ -353,7 +365,15 @@ class _Engine:
         return max(self.clock, self.gpu_free_s) if self.in_flight else self.clock
 
     def release_next_call(self, request: _Request, ended_at: float) -> None:
-        """Closed-loop: the session's next call arrives its think time after this call ended."""
+        """Closed-loop: the session's next call arrives its think time after this call ended; under
+        --max-concurrency, the next request not yet sent takes the seat this one frees."""
+        if self.seats is not None:
+            if self.next_send < len(self.requests):
+                sent = self.requests[self.next_send]
+                sent.arrival_s = max(self.send_s[self.next_send], ended_at)
+                heapq.heappush(self.pending, (sent.arrival_s, sent.index))
+                self.next_send += 1
+            return
         follower = request.next_call
         if follower is not None:
             follower.arrival_s = ended_at + follower.think_s

@@ -44,7 +44,13 @@ def device_trace(workload: Workload, length_prediction_noise: float = 0.0,
     if ttft_slo_ms is None:
         ttft_slo_ms = np.full(workload.num_requests, np.inf)
     closed_loop = {}
-    if workload.closed_loop:
+    if workload.max_concurrency is not None:
+        # The first N requests hold the client's seats; each later one is sent as a seat frees (engine.Trace).
+        zeros = np.zeros(workload.num_requests)
+        closed_loop = dict(session=zeros.astype(np.int32), think=zeros.astype(np.float32),
+                           first_call=np.arange(min(workload.max_concurrency, workload.num_requests), dtype=np.int32),
+                           max_concurrency=workload.max_concurrency)
+    elif workload.closed_loop:
         first_call = np.flatnonzero(np.diff(workload.session, prepend=-1))
         closed_loop = dict(session=np.asarray(workload.session, np.int32),
                            think=np.asarray(workload.think_s, np.float32),
@@ -61,6 +67,13 @@ def device_trace(workload: Workload, length_prediction_noise: float = 0.0,
         rate_limited=np.zeros(workload.num_requests, bool) if rate_limited is None else np.asarray(rate_limited, bool),
         **closed_loop,
     )
+
+
+def _sessions_of(workload: Workload):
+    """How many closed-loop sessions a workload has, as simulate_each's message says it."""
+    if workload.max_concurrency is not None:
+        return f"--max-concurrency {workload.max_concurrency}, not"
+    return len(np.unique(workload.session)) if workload.closed_loop else "no"
 
 
 # Each distinct array shape costs the engine seconds of XLA compilation, so the sizes that vary between
@@ -425,8 +438,8 @@ def simulate_each(workloads: Sequence[Workload], schedulers: Sequence[SchedulerC
     shapes = [jax.tree_util.tree_map(np.shape, t) for t in traces]
     for index, (w, shape) in enumerate(zip(workloads, shapes)):
         if shape != shapes[0] or w.tenant_names != first.tenant_names:
-            sessions = len(np.unique(w.session)) if w.closed_loop else "no"
-            first_sessions = len(np.unique(first.session)) if first.closed_loop else "no"
+            sessions = _sessions_of(w)
+            first_sessions = _sessions_of(first)
             raise ValueError(f"simulate_each needs workloads with the same tenants and sessions: workload {index} "
                              f"has tenants {list(w.tenant_names)} and {sessions} sessions, workload 0 "
                              f"{list(first.tenant_names)} and {first_sessions}")

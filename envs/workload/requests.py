@@ -22,6 +22,7 @@ from servetune.envs.workload.lengths import LENGTH_SAMPLERS
 from servetune.errors import ConfigError, in_config
 
 NO_PREFIX = -1
+MAX_CONCURRENCY = 10**7   # servetune.config's MAX_NUM_REQUESTS: a seat per request at most
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,9 @@ class Workload:
     hash_block_tokens: int = 512
     session: Optional[np.ndarray] = None   # int64 session index per request; None: open-loop arrivals
     think_s: Optional[np.ndarray] = None   # float64 seconds, with session
+    # vllm bench serve's --max-concurrency: at most this many requests in flight. ``arrival_s`` is then when the
+    # benchmark would send each request; it is sent then, or when an earlier one ends and frees a seat.
+    max_concurrency: Optional[int] = None
 
     def __post_init__(self) -> None:
         n = len(self.arrival_s)
@@ -84,6 +88,11 @@ class Workload:
             first_call = np.concatenate([[True], steps == 1]) if n else np.zeros(0, bool)
             if np.any(self.think_s[first_call] != 0) or np.any(self.think_s[~first_call] <= 0):
                 raise ValueError("think_s must be 0 for a session's first call and positive for the others")
+        if self.max_concurrency is not None:
+            if self.session is not None:
+                raise ValueError("a workload has sessions or a max_concurrency, not both")
+            if not 1 <= self.max_concurrency <= MAX_CONCURRENCY:
+                raise ValueError(f"max_concurrency must be in [1, {MAX_CONCURRENCY}]")
 
     @property
     def num_requests(self) -> int:
@@ -91,7 +100,8 @@ class Workload:
 
     @property
     def closed_loop(self) -> bool:
-        return self.session is not None
+        """Whether requests arrive as the run releases them: sessions' calls, or sends under max_concurrency."""
+        return self.session is not None or self.max_concurrency is not None
 
     @classmethod
     def from_lists(cls, arrival_s, prompt_tokens, output_tokens, description: str = "") -> "Workload":
@@ -329,6 +339,9 @@ def _build_workload(cfg: WorkloadConfig) -> Workload:
         requests_text += f", max_model_len {cfg.max_model_len} ({clipped} requests cut)"
     elif clipped:
         requests_text += f", {clipped} requests cut to the {MAX_TOKEN_COUNT}-token limit"
+    if cfg.arrivals.max_concurrency is not None:
+        workload = dataclasses.replace(workload, max_concurrency=cfg.arrivals.max_concurrency)
+        requests_text += f", at most {cfg.arrivals.max_concurrency} in flight (--max-concurrency)"
     if sessions is not None:
         workload = dataclasses.replace(workload, session=np.repeat(np.arange(workload.num_requests // sessions.calls),
                                                                    sessions.calls),
