@@ -274,11 +274,11 @@ def _print_defaulted(console: Console, config) -> None:
     """The values the file left out and the config took, as vLLM would: which, and from what."""
     if not config.defaulted:
         return
-    console.print("left out of the file, so as vllm serve 0.33 runs:")
+    console.print("left out of the file, so as vllm serve 0.33 runs (run.json: defaulted):")
     for key, value, origin in config.defaulted:
         if value == "derived" and key.endswith("num_kv_blocks"):
             value = _resolved_kv_blocks(config, key)
-        console.print(f"  {escape(key)}: [bold]{escape(_shown_value(value))}[/] [dim]({escape(origin)})[/]")
+        console.print(f"  {escape(key)} {escape(_shown_value(value))} [dim]({escape(origin)})[/]")
 
 
 def _resolved_kv_blocks(config, key: str) -> str:

@@ -1157,9 +1157,9 @@ def _check_engine(config: Config, report: _Reporter, base_dir: Path, written: fr
 # vllm/config/scheduler.py, vllm/config/model.py): noted when a file leaves them out, so that what was simulated
 # is said.
 _VLLM_EQUAL_DEFAULTS = {
-    "hardware.gpu_memory_utilization": "vLLM's CacheConfig.gpu_memory_utilization (vllm/config/cache.py:215)",
-    "scheduler.block_size": "vLLM's CacheConfig.DEFAULT_BLOCK_SIZE (vllm/config/cache.py:185)",
-    "scheduler.enable_chunked_prefill": "vLLM 0.33 chunks the prefills of generative models by default",
+    "hardware.gpu_memory_utilization": "CacheConfig, vllm/config/cache.py:215",
+    "scheduler.block_size": "CacheConfig, vllm/config/cache.py:185",
+    "scheduler.enable_chunked_prefill": "vLLM 0.33's default for generative models",
 }
 
 
@@ -1182,7 +1182,7 @@ def _with_vllm_defaults(config: Config, written: frozenset, base_dir: Path) -> C
     max_model_len = scheduler.max_model_len or workload.max_model_len or model.max_model_len
     if not {"scheduler.max_model_len", "workload.max_model_len"} & written and model.max_model_len is not None:
         defaulted.append(("scheduler.max_model_len", model.max_model_len,
-                          f"{model.name}'s context length, vLLM's default (vllm/config/model.py)"))
+                          f"{model.name}'s context length, vllm/config/model.py"))
     seats_given = scheduler.max_num_seqs if "scheduler.max_num_seqs" in written else None
     budget_given = scheduler.max_num_batched_tokens if "scheduler.max_num_batched_tokens" in written else None
     seats, budget, origin = defaulted_batch_limits(gpu, max_model_len, scheduler.enable_chunked_prefill,
@@ -1193,7 +1193,7 @@ def _with_vllm_defaults(config: Config, written: frozenset, base_dir: Path) -> C
         defaulted.append(("scheduler.max_num_batched_tokens", budget, origin))
     caching = scheduler.enable_prefix_caching
     if "scheduler.enable_prefix_caching" not in written:
-        caching, origin = True, "vLLM's CacheConfig.enable_prefix_caching (vllm/config/cache.py:257)"
+        caching, origin = True, "CacheConfig, vllm/config/cache.py:257"
         local = model.local_attention
         if workload.sessions is not None:
             caching, origin = False, ("vLLM's default is true, but servetune replays the prefix cache in arrival "
@@ -1207,10 +1207,10 @@ def _with_vllm_defaults(config: Config, written: frozenset, base_dir: Path) -> C
             section, name = key.split(".")
             defaulted.append((key, getattr(getattr(config, section), name), origin))
     if "scheduler.async_scheduling" not in written and scheduler.policy == "continuous":
-        defaulted.append(("scheduler.async_scheduling", True, "vLLM 0.33 schedules a step ahead by default"))
+        defaulted.append(("scheduler.async_scheduling", True, "vLLM 0.33's default"))
     if "scheduler.num_kv_blocks" not in written:
         defaulted.append(("scheduler.num_kv_blocks", "derived",
-                          "what vLLM's start-up profile leaves for the cache (servetune memory)"))
+                          "what vLLM's start-up profile leaves, servetune memory"))
     cost = _defaulted_cost_model(cost, gpu.name, written, defaulted)
     return dataclasses.replace(
         config, cost_model=cost, defaulted=tuple(defaulted),
@@ -1235,7 +1235,7 @@ def _defaulted_cost_model(cost: CostModelConfig, gpu: str, written: frozenset, d
     elif "cost_model.kind" not in written:
         cost = dataclasses.replace(cost, kind="calibrated")
     if cost.kind == "calibrated" and "cost_model.profile" not in written and shipped is not None:
-        defaulted.append(("cost_model.profile", shipped.name, f"the profile shipped for {gpu} (cost_models/profiles)"))
+        defaulted.append(("cost_model.profile", shipped.name, f"shipped for {gpu}, cost_models/profiles"))
     return cost
 
 

@@ -23,7 +23,7 @@ from servetune.cost_models.gpus import GIB, GpuSpec
 
 LARGEST_GPU_BYTES = 160 * GIB
 LARGE_GPU_BYTES = 70 * GIB
-BATCH_DEFAULTS_SOURCE = "vllm/engine/arg_utils.py get_batch_defaults"
+BATCH_DEFAULTS_SOURCE = "get_batch_defaults, vllm/engine/arg_utils.py"
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ def defaulted_batch_limits(gpu: GpuSpec, max_model_len: Optional[int], chunked_p
     tier = batch_defaults(gpu)
     seats = tier.max_num_seqs if seats_given is None else seats_given
     budget = tier.max_num_batched_tokens if budget_given is None else budget_given
-    rules = [f"{BATCH_DEFAULTS_SOURCE} ({tier.tier})"]
+    rules = [f"{BATCH_DEFAULTS_SOURCE}: {tier.tier}"]
     if budget_given is None and max_model_len is not None:
         if not chunked_prefill and max_model_len > budget:
             budget = max_model_len
