@@ -1178,7 +1178,7 @@ def _with_vllm_defaults(config: Config, written: frozenset, base_dir: Path) -> C
     except UserError:
         cost = _defaulted_cost_model(config.cost_model, config.hardware.gpu_name, written, defaulted)
         return dataclasses.replace(config, cost_model=cost)
-    hardware, scheduler, cost, workload = config.hardware, config.scheduler, config.cost_model, config.workload
+    scheduler, cost, workload = config.scheduler, config.cost_model, config.workload
     max_model_len = scheduler.max_model_len or workload.max_model_len or model.max_model_len
     if not {"scheduler.max_model_len", "workload.max_model_len"} & written and model.max_model_len is not None:
         defaulted.append(("scheduler.max_model_len", model.max_model_len,
