@@ -26,7 +26,8 @@ from servetune.config_loader import load_config
 from servetune.pipeline import resolve
 from servetune.vllm_defaults import vllm_default_knobs
 from servetune.search.capacity import find_capacity
-from servetune.search.evaluate import BatchEvaluator, use_persistent_compilation_cache
+from servetune.compile_cache import use_persistent_compilation_cache
+from servetune.search.evaluate import BatchEvaluator
 from servetune.search.export import Policy, export
 from servetune.search.provenance import provenance
 from servetune.search.study.space import apply_knobs

@@ -538,7 +538,7 @@ def run_calibrate_bench(args) -> int:
     from servetune.cost_models.profile import write_profile
     from servetune.errors import InvalidValue
     from servetune.paths import check_output_file
-    from servetune.search.evaluate import use_persistent_compilation_cache
+    from servetune.compile_cache import use_persistent_compilation_cache
 
     names = list(DEFAULT_FIT)
     if args.fit is not None:

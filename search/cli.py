@@ -102,7 +102,7 @@ def compact_table(title: str) -> Table:
 # tune
 
 def run_tune(args: argparse.Namespace) -> int:
-    from servetune.search.evaluate import use_persistent_compilation_cache
+    from servetune.compile_cache import use_persistent_compilation_cache
     from servetune.objectives import parse_objectives
     from servetune.search.study.optimize import best_trials, run_study
     from servetune.search.study.plots import file_stem, plot_paths, write_plots
@@ -232,7 +232,7 @@ def _config_or_study_trial(args: argparse.Namespace) -> tuple[Config, str]:
 
 def run_capacity(args: argparse.Namespace) -> int:
     from servetune.search.capacity import find_capacity
-    from servetune.search.evaluate import use_persistent_compilation_cache
+    from servetune.compile_cache import use_persistent_compilation_cache
 
     if args.target is not None and not 0 < args.target <= 1:
         raise UserError(f"--target: got {args.target}, expected a fraction in (0, 1]")
@@ -264,7 +264,7 @@ def run_capacity(args: argparse.Namespace) -> int:
 def _run_fewest_replicas(args: argparse.Namespace) -> int:
     """``capacity --replicas LO:HI``: a line per replica count simulated, then the fewest that meets the target."""
     from servetune.search.capacity import fewest_replicas, parse_replica_range
-    from servetune.search.evaluate import use_persistent_compilation_cache
+    from servetune.compile_cache import use_persistent_compilation_cache
 
     low, high = parse_replica_range(args.replicas)
     config, label = _config_or_study_trial(args)
@@ -291,7 +291,8 @@ def _run_fewest_replicas(args: argparse.Namespace) -> int:
 # sweep
 
 def run_sweep(args: argparse.Namespace) -> int:
-    from servetune.search.evaluate import BatchEvaluator, use_persistent_compilation_cache
+    from servetune.compile_cache import use_persistent_compilation_cache
+    from servetune.search.evaluate import BatchEvaluator
     from servetune.search.sweep import KNEE_LATENCY, KNEE_THROUGHPUT, plot, sweep, write_csv
 
     _positive("--batch-size", args.batch_size)

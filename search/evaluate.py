@@ -18,7 +18,6 @@ single-engine configs.
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -141,16 +140,3 @@ def _runnable(config: Config, workload: Workload) -> Config:
     if bound == config.scheduler.max_num_seqs:
         return config
     return dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, max_num_seqs=bound))
-
-
-def use_persistent_compilation_cache(folder: Optional[Path] = None) -> Path:
-    """Keep JAX's compiled engines on disk (``SERVETUNE_JAX_CACHE``, else ~/.cache/servetune/jax), so a
-    search run again -- or resumed -- does not recompile each (slot count, batch width) engine; compiling one
-    takes seconds, far longer than simulating a few hundred requests with it."""
-    import jax
-
-    folder = folder or Path(os.environ.get("SERVETUNE_JAX_CACHE", Path.home() / ".cache" / "servetune" / "jax"))
-    folder.mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(folder))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    return folder

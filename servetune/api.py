@@ -115,7 +115,7 @@ def tune(config: Union[Config, PathLike], study: Optional[str] = None, *, storag
     {'scheduler.max_num_seqs': 272, ...}
     """
     from servetune.objectives import parse_objectives
-    from servetune.search.evaluate import use_persistent_compilation_cache
+    from servetune.compile_cache import use_persistent_compilation_cache
     from servetune.search.study.optimize import run_study
     from servetune.search.study.storage import check_writable_storage
 

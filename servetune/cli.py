@@ -88,6 +88,11 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--out", type=Path, default=Path("report.html"), help="the page (default %(default)s)")
     report.set_defaults(func=run_report)
 
+    cache = sub.add_parser("cache", help="the compiled engines kept on disk: where, how many, how large; or clear "
+                                         "them")
+    cache.add_argument("action", choices=("info", "clear"))
+    cache.set_defaults(func=run_cache)
+
     cost_cli.register(sub)
     search_cli.register(sub)
     rl_cli.register(sub)
@@ -95,6 +100,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
+    from servetune.compile_cache import use_persistent_compilation_cache
     from servetune.config_loader import load_config
     from servetune.envs.metrics import MIN_WINDOW_S, write_requests_csv
     from servetune.envs.vllm_format import itl_mismatch_warning, parse_percentile_metrics, parse_percentiles
@@ -110,6 +116,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     for flag, path in (("--out", args.out), ("--requests-out", args.requests_out)):
         if path is not None:
             check_output_file(path, flag)
+    # Before anything compiles: JAX opens its disk cache at the first compilation.
+    use_persistent_compilation_cache()
     config = load_config(args.config, args.overrides)
     if args.save_detailed and config.cluster is not None:
         raise UserError(CLUSTER_DETAIL_REFUSAL)
@@ -135,10 +143,31 @@ def run_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_cache(args: argparse.Namespace) -> int:
+    from servetune.compile_cache import CACHE_ENV, cache_contents, cache_folder, cache_root, clear_cache
+
+    root = cache_root()
+    if args.action == "clear":
+        removed = clear_cache(root)
+        print(f"removed {removed:,} compiled programs from {root}")
+        return 0
+    contents = cache_contents(root)
+    print(f"compiled engines under {root} (${CACHE_ENV} moves it); this installation's folder: {cache_folder(root).name}")
+    if not contents:
+        print("  none yet")
+    for folder, count, size in contents:
+        which = "this installation's" if folder == cache_folder(root) else (
+            "an earlier servetune's, kept in the root" if folder == root else "another version's")
+        print(f"  {folder.name}: {count:,} programs, {size / 1e6:,.1f} MB ({which})")
+    return 0
+
+
 def run_report(args: argparse.Namespace) -> int:
+    from servetune.compile_cache import use_persistent_compilation_cache
     from servetune.report import write_report
 
     check_output_file(args.out, "--out")
+    use_persistent_compilation_cache()   # a study's best trial is simulated again for its panels
     page = write_report(args.out, args.runs, args.study, args.storage, with_best_run=not args.no_best_run)
     for notice in page.notices:
         print(f"servetune: note: {notice}", file=sys.stderr)

@@ -377,6 +377,7 @@ def _initial_calibration(args: argparse.Namespace, gpu, default_to_shipped: bool
 
 @_named_by_flags
 def run_calibrate(args: argparse.Namespace) -> int:
+    from servetune.compile_cache import use_persistent_compilation_cache
     from servetune.cost_models.calibrate import calibrate
     from servetune.cost_models.profile import write_profile
 
@@ -384,6 +385,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         raise UserError(f"--folds must be at least 2, found {args.folds}")
     if args.bench is not None or args.config is not None or args.trials is not None:
         return _run_calibrate_bench(args)
+    use_persistent_compilation_cache()   # the fits are jitted once per shape of their data
     if args.steps is not None:
         return _run_calibrate_steps(args)
     for flag in ("model", "fit"):

@@ -13,13 +13,15 @@ import tempfile
 # the same engine shapes in many tests, in each pytest-xdist worker and in the CLI subprocesses tests start, and a
 # cached program is the one a fresh compile would give. The first process (xdist's controller) makes the folder;
 # workers and subprocesses inherit it through the environment; the controller deletes it at the end.
-_OWNS_XLA_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+_OWNS_XLA_CACHE = "SERVETUNE_JAX_CACHE" not in os.environ
 if _OWNS_XLA_CACHE:
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="servetune-tests-xla-")
-# The commands and search workers the tests run point JAX at servetune's own cache (use_persistent_compilation_cache):
-# the same folder, so that they share the run's programs and leave ~/.cache/servetune/jax, whose programs from
-# earlier runs would make a run's time depend on the machine's history, untouched.
-os.environ.setdefault("SERVETUNE_JAX_CACHE", os.environ["JAX_COMPILATION_CACHE_DIR"])
+    os.environ["SERVETUNE_JAX_CACHE"] = tempfile.mkdtemp(prefix="servetune-tests-xla-")
+# The commands and search workers the tests run point JAX at servetune's own cache (use_persistent_compilation_cache,
+# which leaves ~/.cache/servetune/jax, whose programs from earlier runs would make a run's time depend on the
+# machine's history, untouched), and the tests' own process at the same folder in it: they share the run's programs.
+from servetune.compile_cache import cache_folder  # noqa: E402  (reads no JAX)
+
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(cache_folder()))
 
 import jax  # noqa: E402  (after the cache folder is set)
 import numpy as np
@@ -53,7 +55,7 @@ def _free_compiled_executables():
 
 def pytest_sessionfinish(session):
     if _OWNS_XLA_CACHE:
-        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+        shutil.rmtree(os.environ["SERVETUNE_JAX_CACHE"], ignore_errors=True)
 
 
 def shipped_profile_with(path, **calibration):

@@ -46,7 +46,7 @@ def write_config(folder: Path, data: dict) -> Path:
 WORKER = """
 import sys
 from servetune.config_loader import load_config
-from servetune.search.evaluate import use_persistent_compilation_cache
+from servetune.compile_cache import use_persistent_compilation_cache
 from servetune.search.study.optimize import run_study
 use_persistent_compilation_cache()
 run_study(load_config(sys.argv[1]), sys.argv[2], sys.argv[3], show_progress=False)

@@ -19,7 +19,7 @@ FOLDERS = {"servetune": "servetune", "envs": "servetune.envs", "cost_models": "s
 # Lowest first. A module belongs to the last (most specific) prefix that matches it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("core", ("servetune.errors", "servetune.pytree", "servetune.types", "servetune.paths", "servetune.versions",
-              "servetune.parallel", "servetune.config", "servetune.objectives")),
+              "servetune.parallel", "servetune.config", "servetune.objectives", "servetune.compile_cache")),
     ("cost model", ("servetune.cost_models",)),
     ("workload", ("servetune.envs.workload",)),
     ("simulator", ("servetune.envs.sim",)),

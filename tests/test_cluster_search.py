@@ -30,7 +30,8 @@ from servetune.objectives import add_goodput_per_gpu
 from servetune.pipeline import resolve
 from servetune.search import cli as search_cli
 from servetune.search.capacity import fewest_replicas, parse_replica_range
-from servetune.search.evaluate import BatchEvaluator, use_persistent_compilation_cache
+from servetune.compile_cache import use_persistent_compilation_cache
+from servetune.search.evaluate import BatchEvaluator
 from servetune.search.export import Policy, export
 from servetune.search.study.optimize import best_trials, run_study
 from servetune.search.study.space import SearchSpace, apply_knobs

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from servetune.cli import main
-from servetune.search.evaluate import use_persistent_compilation_cache
+from servetune.compile_cache import use_persistent_compilation_cache
 from servetune.search.study.optimize import chosen_trial, load_study
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

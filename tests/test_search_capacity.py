@@ -15,7 +15,8 @@ from servetune.envs.workload.requests import build_workload
 from servetune.errors import UserError
 from servetune.pipeline import resolve
 from servetune.search.capacity import find_capacity, offered_rate, scale_arrivals
-from servetune.search.evaluate import BatchEvaluator, use_persistent_compilation_cache
+from servetune.compile_cache import use_persistent_compilation_cache
+from servetune.search.evaluate import BatchEvaluator
 
 TOLERANCE = 0.02
 

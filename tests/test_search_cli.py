@@ -17,7 +17,7 @@ from search_configs import write_config
 from servetune.config_loader import load_config
 from servetune.errors import UserError
 from servetune.search import cli as search_cli
-from servetune.search.evaluate import use_persistent_compilation_cache
+from servetune.compile_cache import use_persistent_compilation_cache
 from servetune.search.provenance import config_data, config_hash
 from servetune.search.study.optimize import best_trials, load_study
 

@@ -12,7 +12,7 @@ import pytest
 from optuna.trial import TrialState
 
 from search_configs import study_data, worker_command, write_config
-from servetune.search.evaluate import use_persistent_compilation_cache
+from servetune.compile_cache import use_persistent_compilation_cache
 from servetune.search.study.storage import open_storage
 from servetune.search.study.optimize import REFUSAL_ATTR
 from servetune.search.study.workers import WORKER_ATTR

@@ -19,7 +19,7 @@ from servetune.cost_models.factory import derive_num_kv_blocks
 from servetune.errors import ConfigError, UserError
 from servetune.pipeline import resolve
 from servetune.search import cli as search_cli
-from servetune.search.evaluate import use_persistent_compilation_cache
+from servetune.compile_cache import use_persistent_compilation_cache
 from servetune.search.export import Policy, check_vllm, export
 from servetune.search.provenance import config_hash
 from servetune.search.study.optimize import run_study

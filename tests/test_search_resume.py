@@ -14,7 +14,7 @@ import pytest
 from optuna.trial import TrialState
 
 from search_configs import study_data, worker_command, write_config
-from servetune.search.evaluate import use_persistent_compilation_cache
+from servetune.compile_cache import use_persistent_compilation_cache
 from servetune.search.study.storage import open_storage
 from servetune.search.study.workers import RERUN_ATTR, WORKER_ATTR, ask_claimed
 

@@ -17,7 +17,8 @@ from servetune.errors import ConfigError, UserError
 from servetune.envs.sim.simulator import concurrency_bound
 from servetune.pipeline import resolve, simulate_config
 from servetune.search.study.baselines import baselines, space_with_baselines
-from servetune.search.evaluate import BatchEvaluator, use_persistent_compilation_cache
+from servetune.compile_cache import use_persistent_compilation_cache
+from servetune.search.evaluate import BatchEvaluator
 from servetune.vllm_defaults import vllm_default_knobs
 from servetune.search.study.space import SearchSpace, apply_knobs
 from servetune.search.study import optimize as study_module

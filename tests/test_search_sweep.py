@@ -8,7 +8,8 @@ import pytest
 
 from servetune.config_loader import load_config
 from servetune.pipeline import simulate_config
-from servetune.search.evaluate import BatchEvaluator, use_persistent_compilation_cache
+from servetune.compile_cache import use_persistent_compilation_cache
+from servetune.search.evaluate import BatchEvaluator
 from servetune.search.sweep import find_knee, plot, sweep, write_csv
 
 BASE = ["workload.num_requests=200", "workload.arrivals.rate=12", "scheduler.num_kv_blocks=1500"]

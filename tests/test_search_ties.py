@@ -8,7 +8,7 @@ import pytest
 from optuna.trial import TrialState, create_trial
 
 from servetune.config_loader import load_config
-from servetune.search.evaluate import use_persistent_compilation_cache
+from servetune.compile_cache import use_persistent_compilation_cache
 from servetune.objectives import OBJECTIVES
 from servetune.search.study.optimize import _best_so_far, best_trials, chosen_trial, run_study, select_best
 

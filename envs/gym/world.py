@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from servetune.compile_cache import use_persistent_compilation_cache
 from servetune.config import Config
 from servetune.config_loader import apply_overrides, config_from_dict, load_config
 from servetune.cost_models.factory import build_cost_model
@@ -202,7 +203,9 @@ def build_world(config: Union[str, Path, Mapping, Config], *, overrides: Sequenc
                 interval_s: float = DEFAULT_INTERVAL_S, episode_s: Optional[float] = None,
                 num_workloads: int = DEFAULT_NUM_WORKLOADS, miss_penalty: float = DEFAULT_MISS_PENALTY,
                 bounds: Optional[Mapping[str, tuple[int, int]]] = None) -> World:
-    """The environment's world; the keyword arguments are the environments' options (envs/gym/adapters.py)."""
+    """The environment's world; the keyword arguments are the environments' options (envs/gym/adapters.py).
+    Its engines compile once per installation: they are kept on disk (servetune/compile_cache.py)."""
+    use_persistent_compilation_cache()
     config = resolve(load_env_config(config, overrides))
     if config.scheduler.policy != "continuous":
         raise ValueError("the environments steer continuous batching; scheduler.policy is "

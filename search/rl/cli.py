@@ -70,7 +70,7 @@ def _rl_overrides(args: argparse.Namespace) -> list[str]:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from servetune.search.evaluate import use_persistent_compilation_cache
+    from servetune.compile_cache import use_persistent_compilation_cache
     from servetune.search.rl.train import CURVE_FILE, POLICY_FILE, control_world, train_policy
 
     for name in ("--timesteps", "--num-envs"):
@@ -189,7 +189,7 @@ def _cell(summary: dict, percent: bool = False, digits: int = 3, separator: str 
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from servetune.search.evaluate import use_persistent_compilation_cache
+    from servetune.compile_cache import use_persistent_compilation_cache
     from servetune.search.rl.policy_file import load_policy
     from servetune.search.rl.evaluate import evaluate
 
