@@ -15,6 +15,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from markdown_sections import replace_section  # benchmarks/, beside this script
+
 ROOT = Path(__file__).resolve().parents[1]
 HEADER = "### Compile cache"
 COMMAND = "python benchmarks/bench_compile_cache.py --write BENCHMARKS.md"
@@ -48,15 +50,7 @@ def main(argv=None) -> int:
             f"{second[0]:.2f} s | {second[1]:.2f} s |")
     print(body)
     if args.write:
-        text = args.write.read_text()
-        pattern = re.compile(rf"^{re.escape(HEADER)}\n.*?(?=^##|\Z)", re.S | re.M)
-        section = f"{HEADER}\n\n{body}\n\n"
-        if pattern.search(text):
-            text = pattern.sub(lambda _: section, text)
-        else:
-            anchor = "### Queue orders and prefix caching"
-            text = text.replace(anchor, section + anchor, 1)
-        args.write.write_text(text)
+        replace_section(args.write, HEADER, body, before="### Queue orders and prefix caching")
     return 0
 
 

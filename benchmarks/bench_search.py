@@ -13,7 +13,6 @@ import argparse
 import csv
 import dataclasses
 import os
-import re
 import sys
 import tempfile
 import time
@@ -33,6 +32,8 @@ from servetune.search.provenance import provenance
 from servetune.search.study.space import apply_knobs
 from servetune.search.study.storage import open_storage, study_names
 from servetune.search.study.optimize import chosen_trial, is_feasible, run_study, trial_config
+
+from markdown_sections import replace_section  # benchmarks/, beside this script
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results"
@@ -164,13 +165,8 @@ def main() -> int:
 
 
 def write_section(path: Path, body: str) -> None:
-    """Replace the generated part of '## Search' (up to its notes marker), or append the section."""
-    header, marker = "## Search", "<!-- search notes (kept on regeneration) -->"
-    text = path.read_text()
-    pattern = re.compile(rf"^{re.escape(header)}\n.*?(?=^{re.escape(marker)}|^## |\Z)", re.S | re.M)
-    section = f"{header}\n\n{body}\n"
-    text = pattern.sub(lambda _: section, text) if pattern.search(text) else text.rstrip("\n") + "\n\n" + section
-    path.write_text(text.rstrip("\n") + "\n")
+    """Replace the generated part of '## Search', keeping the notes under its marker, or append the section."""
+    replace_section(path, "## Search", body, "<!-- search notes (kept on regeneration) -->")
 
 
 if __name__ == "__main__":

@@ -1072,11 +1072,10 @@ def _check_replica_groups(config: Config, groups: Sequence, report: _Reporter, b
                 continue
             if dataclasses.is_dataclass(own):
                 own = dataclasses.asdict(own)
-            if isinstance(own, dict):
-                group_written.update({name, *(f"{name}.{key}" for key in own)})
             if not isinstance(own, dict):
                 raise report.bad_value(f"{where}.{name}", own, f"a mapping of {name} keys, merged over the config's "
                                                                f"{name}")
+            group_written.update({name, *(f"{name}.{key}" for key in own)})
             # Validated as a section of a config, whose pydantic settings (unknown keys refused) sections inherit.
             merged = _merged_section(name, getattr(config, name), own)
             sections[name] = getattr(_validated(Config, {name: merged}, "", group_report), name)
@@ -1154,12 +1153,11 @@ def _check_engine(config: Config, report: _Reporter, base_dir: Path, written: fr
 
 
 # Where vLLM 0.33 takes the values servetune's own defaults already equal (vllm/config/cache.py,
-# vllm/config/scheduler.py, vllm/config/model.py): noted when a file leaves them out, so that what was simulated
-# is said.
+# vllm/engine/arg_utils.py): noted when a file leaves them out, so that what was simulated is said.
 _VLLM_EQUAL_DEFAULTS = {
     "hardware.gpu_memory_utilization": "CacheConfig, vllm/config/cache.py:215",
     "scheduler.block_size": "CacheConfig, vllm/config/cache.py:185",
-    "scheduler.enable_chunked_prefill": "vLLM 0.33's default for generative models",
+    "scheduler.enable_chunked_prefill": "the model supports it, vllm/engine/arg_utils.py:3041-3048",
 }
 
 
@@ -1193,7 +1191,7 @@ def _with_vllm_defaults(config: Config, written: frozenset, base_dir: Path) -> C
         defaulted.append(("scheduler.max_num_batched_tokens", budget, origin))
     caching = scheduler.enable_prefix_caching
     if "scheduler.enable_prefix_caching" not in written:
-        caching, origin = True, "CacheConfig, vllm/config/cache.py:257"
+        caching, origin = True, "the model supports it, vllm/engine/arg_utils.py:3045 and vllm/config/cache.py:257"
         local = model.local_attention
         if workload.sessions is not None:
             caching, origin = False, ("vLLM's default is true, but servetune replays the prefix cache in arrival "

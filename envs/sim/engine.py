@@ -680,7 +680,7 @@ def _clear_sent(state, ids, due, n):
                    pending_free_lo=jnp.where(taken, 0.0, state.pending_free_lo))
 
 
-def _send_on_freed_seats(trace, state, calls, freed, at):
+def _send_on_freed_seats(trace, state, freed, at):
     """--max-concurrency: each request that ended where `freed` (at `at`, hi and lo per entry) frees a seat of
     the client's semaphore, which the next request not yet sent takes: sent at its own time or at the freeing,
     whichever is later. Seats go to requests in the order they free (asyncio's semaphore wakes its waiters first
@@ -721,7 +721,7 @@ def _release_next_calls(trace, state, calls, release, written, at):
     think time after `at` (hi, lo) where `release` and the session has one, else none. Under
     --max-concurrency a seat's next request is whichever is sent next (`_send_on_freed_seats`)."""
     if trace.max_concurrency:
-        return _send_on_freed_seats(trace, state, calls, release & written, at)
+        return _send_on_freed_seats(trace, state, release & written, at)
     n = trace.prompt.shape[0]
     follower = jnp.minimum(calls + 1, n - 1)
     release = release & (calls + 1 < n) & (trace.session[follower] == trace.session[calls])

@@ -15,14 +15,14 @@ from typing import Optional
 import numpy as np
 
 from servetune.config import (
-    MAX_CLOCK_S, MAX_TOKEN_COUNT, MAX_WORKLOAD_TOKENS, LengthsConfig, SessionsConfig, TenantConfig, WorkloadConfig,
+    MAX_CLOCK_S, MAX_NUM_REQUESTS, MAX_TOKEN_COUNT, MAX_WORKLOAD_TOKENS, LengthsConfig, SessionsConfig, TenantConfig,
+    WorkloadConfig,
 )
 from servetune.envs.workload.arrivals import ARRIVAL_SOURCES, Arrivals
 from servetune.envs.workload.lengths import LENGTH_SAMPLERS
 from servetune.errors import ConfigError, in_config
 
 NO_PREFIX = -1
-MAX_CONCURRENCY = 10**7   # servetune.config's MAX_NUM_REQUESTS: a seat per request at most
 
 
 @dataclass(frozen=True)
@@ -91,8 +91,8 @@ class Workload:
         if self.max_concurrency is not None:
             if self.session is not None:
                 raise ValueError("a workload has sessions or a max_concurrency, not both")
-            if not 1 <= self.max_concurrency <= MAX_CONCURRENCY:
-                raise ValueError(f"max_concurrency must be in [1, {MAX_CONCURRENCY}]")
+            if not 1 <= self.max_concurrency <= MAX_NUM_REQUESTS:   # a seat per request at most
+                raise ValueError(f"max_concurrency must be in [1, {MAX_NUM_REQUESTS}]")
 
     @property
     def num_requests(self) -> int:
